@@ -1,0 +1,80 @@
+"""Typed errors raised by kvstrata.
+
+Everything kvstrata raises on purpose derives from :class:`KVStrataError`::
+
+    KVStrataError
+    ├── ConfigError              bad configuration or argument; the message says what to change
+    │   └── InvalidTokensError   an empty key, or token ids outside [0, 2**32)
+    ├── CapacityError            a pool or lane cannot hold what was asked, even after eviction
+    ├── AllocatorError           misuse of a page allocator (a contract violation)
+    │   ├── DoubleFreeError      a page freed that is already free
+    │   ├── ForeignPageError     a page freed into a lane that does not own it
+    │   └── UnknownPageError     a page id outside the allocator's page space
+    ├── TreeInvariantError       a radix tree ``check()`` found a broken invariant
+    ├── ModelError               a checkpoint or model that kvstrata cannot load
+    │   ├── CheckpointError      missing config/weights, or a weight of the wrong shape
+    │   └── UnsupportedArchitectureError
+    ├── WorkloadError            a malformed trace file (line number in the message)
+    └── RequestError             one request cannot be served (the others are unaffected)
+
+Programmer errors inside kvstrata are ``assert``-ed; errors caused by input from the outside world
+are raised as one of the types above, never swallowed.
+"""
+
+from __future__ import annotations
+
+
+class KVStrataError(Exception):
+    """Base class of every error kvstrata raises on purpose."""
+
+
+class ConfigError(KVStrataError, ValueError):
+    """A configuration value or argument is invalid; the message names it and what to change."""
+
+
+class InvalidTokensError(ConfigError):
+    """A token key is empty or holds ids outside [0, 2**32)."""
+
+
+class CapacityError(KVStrataError):
+    """A pool or lane cannot hold what was asked for, even after eviction."""
+
+
+class AllocatorError(KVStrataError):
+    """A page allocator was used against its contract."""
+
+
+class DoubleFreeError(AllocatorError):
+    """A page was freed while already free."""
+
+
+class ForeignPageError(AllocatorError):
+    """A page was freed into a lane (owner rank) that does not store it."""
+
+
+class UnknownPageError(AllocatorError):
+    """A page id lies outside the allocator's logical page space."""
+
+
+class TreeInvariantError(KVStrataError):
+    """``RadixTree.check()`` found a broken invariant."""
+
+
+class ModelError(KVStrataError):
+    """A model or checkpoint cannot be loaded."""
+
+
+class CheckpointError(ModelError):
+    """A checkpoint directory lacks config or weights, or a weight has the wrong shape."""
+
+
+class UnsupportedArchitectureError(ModelError):
+    """The checkpoint's architecture is not one kvstrata implements."""
+
+
+class WorkloadError(KVStrataError):
+    """A trace or workload file is malformed."""
+
+
+class RequestError(KVStrataError):
+    """One request cannot be served; the other requests of its batch are unaffected."""
