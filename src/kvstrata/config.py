@@ -109,7 +109,9 @@ class KVLayout:
         for p in self.payloads:
             if p.name == name:
                 return p
-        raise ConfigError(f"no payload named {name!r}; this layout has {[p.name for p in self.payloads]}")
+        raise ConfigError(
+            f"no payload named {name!r}; this layout has {[p.name for p in self.payloads]}"
+        )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a human table, then one JSON object on its last line."""

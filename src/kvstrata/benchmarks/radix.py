@@ -1,0 +1,200 @@
+"""Radix tree benchmark over the shared synthetic workload (``kvstrata bench radix``).
+
+Replays the workload as a serving engine drives the cache: per request, hash + ``match_prefix``,
+then allocate pages for the uncached suffix, ``insert`` (freeing duplicate pages), and evict leaf-up
+whenever the tree holds more than ``--budget`` tokens, down to 90 % of it. Requests are turned into
+``uint32`` arrays before the clock starts, as a server receives token ids.
+
+For each page size it also replays with no eviction and compares the matched-length checksum with
+the workload's tree-free reference (``synthetic.reference_matched_lengths``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import synthetic
+from ..allocator import PageAllocator
+from ..config import CacheConfig, PoolConfig
+from ..radix import RadixTree
+
+#: The workload's own no-eviction references for seed 0 and 2,000 requests (from
+#: ``python workload.py --seed 0 --reference P``); ``--recompute-reference`` recomputes them.
+KNOWN_REFERENCES = {
+    (0, 2000): {1: "fcd11de4dbecc7ff", 16: "ba3b32e878c369f4", 64: "c9ce49f1968ab200"}
+}
+
+
+@dataclass
+class RunStats:
+    page_size: int
+    evict: bool
+    requests: int
+    seconds: float
+    match_us: float
+    insert_us: float
+    evicted_nodes: int
+    evicted_pages: int
+    matched_tokens: int
+    checksum: str
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.seconds
+
+
+def replay(
+    requests: list[npt.NDArray[np.uint32]],
+    page_size: int,
+    budget_tokens: int | None,
+    eviction: str = "lru",
+) -> RunStats:
+    """Replay ``requests`` through a tree and allocator; ``budget_tokens=None`` never evicts."""
+    P = page_size
+    longest = max(r.size for r in requests)
+    if budget_tokens is None:
+        budget_pages = sum(-(-r.size // P) for r in requests)
+    else:
+        budget_pages = budget_tokens // P
+    pool_pages = budget_pages + -(-longest // P) + 1
+    tree = RadixTree(CacheConfig(page_size=P, eviction=eviction), capacity_pages=budget_pages)
+    alloc = PageAllocator(PoolConfig(num_pages=pool_pages))
+    low_pages = int(budget_pages * 0.9)
+    matched: list[int] = []
+    t_match = t_insert = 0.0
+    evicted_nodes = evicted_pages = 0
+    clock = time.perf_counter
+    start = clock()
+    for tokens in requests:
+        t0 = clock()
+        key = tree.key(tokens)
+        hit = tree.match_prefix(key)
+        t1 = clock()
+        cached_pages = hit.valid_len // P
+        new_pages = alloc.alloc(cached_pages, -(-tokens.size // P) - cached_pages)
+        assert new_pages is not None, "pool sized to hold the budget plus one request"
+        result = tree.insert(key, np.concatenate((hit.device_pages, new_pages)), hit.valid_len)
+        alloc.free(result.free_pages)
+        if tree.num_pages > budget_pages:
+            nodes_before = tree.num_nodes
+            freed = tree.evict(tree.num_pages - low_pages)
+            alloc.free(freed)
+            evicted_pages += freed.size
+            evicted_nodes += nodes_before - tree.num_nodes
+        t2 = clock()
+        t_match += t1 - t0
+        t_insert += t2 - t1
+        matched.append(hit.valid_len)
+    seconds = clock() - start
+    assert alloc.num_used == tree.num_pages, "every page is either free or held by the tree"
+    n = len(requests)
+    return RunStats(
+        page_size=P,
+        evict=budget_tokens is not None,
+        requests=n,
+        seconds=seconds,
+        match_us=t_match / n * 1e6,
+        insert_us=t_insert / n * 1e6,
+        evicted_nodes=evicted_nodes,
+        evicted_pages=evicted_pages,
+        matched_tokens=sum(matched),
+        checksum=synthetic.matched_checksum(matched),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kvstrata bench radix",
+        description="Radix prefix-tree benchmark on the shared synthetic workload: match -> insert "
+        "-> evict when over budget. Prints a table, then one JSON line.",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    ap.add_argument("--requests", type=int, default=2000, help="number of requests (default 2000)")
+    ap.add_argument(
+        "--page-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 16, 64],
+        help="page sizes (default 1 16 64)",
+    )
+    ap.add_argument(
+        "--budget", type=int, default=262_144, help="tree budget in tokens (default 262144)"
+    )
+    ap.add_argument("--eviction", choices=["lru", "slru"], default="lru")
+    ap.add_argument(
+        "--recompute-reference",
+        action="store_true",
+        help="recompute the no-eviction reference checksums from the workload (slow)",
+    )
+    args = ap.parse_args(argv)
+
+    raw = synthetic.generate(args.seed, args.requests)
+    requests = [np.array(r, dtype=np.uint32) for r in raw]
+    known = KNOWN_REFERENCES.get((args.seed, args.requests), {})
+    refs = {
+        P: known[P]
+        if P in known and not args.recompute_reference
+        else synthetic.matched_checksum(synthetic.reference_matched_lengths(raw, P))
+        for P in args.page_sizes
+    }
+    # The generator's lists hold ~14 M int references; left alive, every garbage-collector pass
+    # walks them and the timings measure the collector instead of the tree.
+    del raw
+    gc.collect()
+    rows = []
+    for P in args.page_sizes:
+        noevict = replay(requests, P, None, args.eviction)
+        evict = replay(requests, P, args.budget, args.eviction)
+        rows.append((P, refs[P], noevict, evict))
+
+    header = (
+        f"{'page':>5} {'req/s':>9} {'match us':>9} {'insert us':>10} {'evicted nodes':>14} "
+        f"{'evicted pages':>14} {'checksum (evict)':>17} {'no-evict checksum':>18} {'reference':>17}"
+    )
+    print(header)
+    print("-" * len(header))
+    for P, ref, ne, ev in rows:
+        ok = "ok" if ne.checksum == ref else "MISMATCH"
+        print(
+            f"{P:>5} {ev.requests_per_s:>9.0f} {ev.match_us:>9.1f} {ev.insert_us:>10.1f} "
+            f"{ev.evicted_nodes:>14} {ev.evicted_pages:>14} {ev.checksum:>17} "
+            f"{ne.checksum:>18} {ref:>14} {ok}"
+        )
+    summary = {
+        "benchmark": "radix",
+        "seed": args.seed,
+        "requests": args.requests,
+        "budget_tokens": args.budget,
+        "eviction": args.eviction,
+        "python": platform.python_version(),
+        "results": [
+            {
+                "page_size": P,
+                "requests_per_s": round(ev.requests_per_s, 1),
+                "match_us": round(ev.match_us, 2),
+                "insert_us": round(ev.insert_us, 2),
+                "evicted_nodes": ev.evicted_nodes,
+                "evicted_pages": ev.evicted_pages,
+                "matched_checksum": ev.checksum,
+                "noevict_matched_checksum": ne.checksum,
+                "noevict_requests_per_s": round(ne.requests_per_s, 1),
+                "reference_checksum": ref,
+                "reference_ok": ne.checksum == ref,
+            }
+            for P, ref, ne, ev in rows
+        ],
+    }
+    print(json.dumps(summary))
+    return 0 if all(ne.checksum == ref for _, ref, ne, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,327 @@
+"""Request workloads: where the token sequences that kvstrata replays come from.
+
+Every source is deterministic and yields :class:`Request` objects (uint32 token arrays):
+
+* **Mooncake traces** (:func:`load_mooncake`): JSONL files of the Mooncake FAST'25 release, one
+  request per line with ``timestamp`` (ms), ``input_length`` and ``hash_ids``. Each hash id names a
+  512-token block; it expands into the tokens of a random stream seeded by the id alone, so equal
+  ids give equal tokens in any request, at any position, in any process, and requests sharing
+  leading ids share exactly those leading tokens::
+
+      hash_ids      [ 0      | 14     | 15     ]      input_length = 1300
+      tokens        [0:512)   [512:1024) [1024:1300)   the last block is cut to input_length
+
+  Token ``j`` of block ``h`` is the high 32 bits of the ``j``-th raw output of
+  ``numpy.random.PCG64(h)`` (a stream numpy keeps stable across versions and platforms), reduced
+  modulo the vocabulary, so the same id maps to the same raw block whatever the vocabulary.
+* **Synthetic** (:func:`synthetic`): the shared multi-turn chat generator in
+  :mod:`kvstrata.synthetic` (system prompts picked with a Zipf skew, sessions that re-send every
+  previous turn), mapped into the model's vocabulary.
+* **Built-in** (:func:`builtin`): 48 short requests (80 to 600 tokens) from interleaved chat
+  sessions over four shared system prompts; the default of ``kvstrata replay``, small enough to
+  run through a tiny model on CPU in seconds.
+
+:func:`load_workload` resolves a command-line spec (``builtin``, ``synthetic[:SEED[:N]]`` or a path
+to a ``.jsonl`` trace) into a :class:`Workload`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeGuard
+
+import numpy as np
+import numpy.typing as npt
+
+from . import synthetic as _synthetic
+from .errors import ConfigError, InvalidTokensError, WorkloadError
+
+TokenArray = npt.NDArray[np.uint32]
+
+DEFAULT_VOCAB_SIZE = 128_256  # Llama 3's vocabulary, also the shared synthetic generator's
+MOONCAKE_BLOCK_TOKENS = 512
+ON_ERROR = ("stop", "skip")
+_TRACE_FIELDS = ("timestamp", "input_length", "hash_ids")
+
+# The built-in workload's shape; see builtin().
+_BUILTIN_PROMPT_TOKENS = (64, 96, 128, 192)
+_BUILTIN_PROMPT_PICKS = (0, 0, 0, 1, 1, 2, 3)  # skewed: most sessions share the first prompt
+_BUILTIN_SESSIONS = 6
+_BUILTIN_TURNS = (2, 8)
+_BUILTIN_TURN_TOKENS = (16, 96)
+_BUILTIN_MAX_TOKENS = 600
+BUILTIN_REQUESTS = 48
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Request:
+    """One prefill request.
+
+    ``rid`` numbers the requests of a workload 0, 1, 2, ... in order; ``tokens`` is a non-empty 1-D
+    uint32 array; ``arrival_ms`` is the trace timestamp, ``None`` for generated workloads. Equality
+    is identity (ndarray ``==`` is elementwise): compare ``tokens`` with ``numpy.array_equal``.
+    """
+
+    rid: int
+    tokens: TokenArray
+    arrival_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.tokens
+        if not isinstance(t, np.ndarray) or t.dtype != np.uint32 or t.ndim != 1 or t.size == 0:
+            raise InvalidTokensError(
+                f"request {self.rid}: tokens must be a non-empty 1-D uint32 array, got "
+                f"{getattr(t, 'dtype', type(t).__name__)} of shape {getattr(t, 'shape', '?')}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedLine:
+    """A trace line that ``on_error="skip"`` left out: its 1-based number and what was wrong."""
+
+    line_no: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A loaded workload: where it came from, its requests, and the trace lines skipped (if any)."""
+
+    source: str
+    requests: list[Request]
+    skipped: tuple[SkippedLine, ...] = ()
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not _is_int(value) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_vocab_size(vocab_size: object) -> None:
+    if not _is_int(vocab_size) or not 1 <= vocab_size <= 2**32:
+        raise ConfigError(f"vocab_size must be an integer in [1, 2**32], got {vocab_size!r}")
+
+
+def _check_load_args(limit: int | None, vocab_size: int, on_error: str) -> None:
+    if limit is not None:
+        _check_positive("limit", limit)
+    _check_vocab_size(vocab_size)
+    if on_error not in ON_ERROR:
+        raise ConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+
+
+def _raw_to_tokens(raw: npt.NDArray[np.uint64], vocab_size: int) -> TokenArray:
+    """Map raw PCG64 outputs to token ids: their high 32 bits, reduced modulo the vocabulary."""
+    return ((raw >> np.uint64(32)) % np.uint64(vocab_size)).astype(np.uint32)
+
+
+class _BlockExpander:
+    """Expands trace hash ids into tokens, caching each id's block (ids repeat heavily in traces)."""
+
+    def __init__(self, vocab_size: int, block_tokens: int) -> None:
+        self.vocab_size = vocab_size
+        self.block_tokens = block_tokens
+        self._blocks: dict[int, TokenArray] = {}
+
+    def block(self, hash_id: int) -> TokenArray:
+        tokens = self._blocks.get(hash_id)
+        if tokens is None:
+            raw = np.random.PCG64(hash_id).random_raw(self.block_tokens)
+            tokens = self._blocks[hash_id] = _raw_to_tokens(raw, self.vocab_size)
+        return tokens
+
+    def expand(self, hash_ids: list[int], input_length: int) -> TokenArray:
+        num_blocks = -(-input_length // self.block_tokens)
+        blocks = [self.block(h) for h in hash_ids[:num_blocks]]
+        blocks[-1] = blocks[-1][: input_length - (num_blocks - 1) * self.block_tokens]
+        return np.concatenate(blocks)
+
+
+class _BadLine(Exception):
+    """A trace line is malformed; the message says what is wrong (without file and line)."""
+
+
+def _parse_line(line: bytes, block_tokens: int) -> tuple[int, int, list[int]]:
+    """Validate one trace line and return its ``(timestamp, input_length, hash_ids)``."""
+    try:
+        record = json.loads(line)
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+        raise _BadLine(f"invalid JSON: {e}") from None
+    if not isinstance(record, dict):
+        raise _BadLine(f"expected a JSON object, got {type(record).__name__}")
+    missing = [name for name in _TRACE_FIELDS if name not in record]
+    if missing:
+        raise _BadLine(f"missing field {', '.join(missing)}")
+    timestamp, input_length, hash_ids = (record[name] for name in _TRACE_FIELDS)
+    if not _is_int(timestamp) or timestamp < 0:
+        raise _BadLine(f"timestamp must be an integer >= 0 (ms), got {timestamp!r}")
+    if not _is_int(input_length) or input_length < 1:
+        raise _BadLine(f"input_length must be an integer >= 1, got {input_length!r}")
+    if not isinstance(hash_ids, list) or not hash_ids:
+        raise _BadLine(f"hash_ids must be a non-empty list, got {hash_ids!r}")
+    for i, h in enumerate(hash_ids):
+        if not _is_int(h) or h < 0:
+            raise _BadLine(f"hash_ids[{i}] must be an integer >= 0, got {h!r}")
+    if input_length > len(hash_ids) * block_tokens:
+        raise _BadLine(
+            f"input_length {input_length} exceeds the {len(hash_ids) * block_tokens} tokens its "
+            f"{len(hash_ids)} hash ids of {block_tokens} tokens cover"
+        )
+    return timestamp, input_length, hash_ids
+
+
+def load_mooncake(
+    path: str | Path,
+    *,
+    limit: int | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    on_error: str = "stop",
+) -> Workload:
+    """Load a Mooncake JSONL trace (see the module docstring for how hash ids become tokens).
+
+    Reads requests in file order until ``limit`` requests are loaded (all when ``None``). Blank lines
+    are ignored. A malformed line raises :class:`WorkloadError` naming ``path:line`` and what is
+    wrong when ``on_error="stop"``; with ``on_error="skip"`` it is left out and recorded in
+    :attr:`Workload.skipped`. Request ids stay dense (0, 1, 2, ...) either way.
+    """
+    _check_load_args(limit, vocab_size, on_error)
+    _check_positive("block_tokens", block_tokens)
+    path = Path(path)
+    try:
+        file = path.open("rb")
+    except OSError as e:
+        raise WorkloadError(f"cannot open trace {path}: {e.strerror}") from e
+    expander = _BlockExpander(vocab_size, block_tokens)
+    requests: list[Request] = []
+    skipped: list[SkippedLine] = []
+    with file:
+        for line_no, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                timestamp, input_length, hash_ids = _parse_line(line, block_tokens)
+            except _BadLine as e:
+                if on_error == "stop":
+                    raise WorkloadError(f"{path}:{line_no}: {e}") from None
+                skipped.append(SkippedLine(line_no, str(e)))
+                continue
+            tokens = expander.expand(hash_ids, input_length)
+            requests.append(Request(len(requests), tokens, timestamp))
+            if len(requests) == limit:
+                break
+    return Workload(str(path), requests, tuple(skipped))
+
+
+def synthetic(
+    seed: int = 0, n_requests: int = 2000, vocab_size: int | None = None, **params: float
+) -> list[Request]:
+    """The shared synthetic workload (:func:`kvstrata.synthetic.generate`) as requests.
+
+    ``params`` override the generator's ``DEFAULTS``. With ``vocab_size`` the token ids are reduced
+    modulo it, which keeps equal prefixes equal; without it they stay in ``[0, params["vocab"])``.
+    """
+    _check_positive("n_requests", n_requests)
+    if vocab_size is not None:
+        _check_vocab_size(vocab_size)
+    unknown = sorted(set(params) - set(_synthetic.DEFAULTS))
+    if unknown:
+        raise ConfigError(
+            f"unknown synthetic workload parameters {unknown}; "
+            f"accepted: {', '.join(sorted(_synthetic.DEFAULTS))}"
+        )
+    _check_vocab_size(params.get("vocab", _synthetic.DEFAULTS["vocab"]))
+    requests = []
+    for rid, token_list in enumerate(_synthetic.generate(seed, n_requests, **params)):
+        tokens = np.array(token_list, dtype=np.uint32)
+        if vocab_size is not None:
+            tokens %= np.uint32(vocab_size)
+        requests.append(Request(rid, tokens))
+    return requests
+
+
+def builtin(vocab_size: int, *, seed: int = 0, n_requests: int = BUILTIN_REQUESTS) -> list[Request]:
+    """A small chat workload with heavy prefix sharing, the default of ``kvstrata replay``.
+
+    Six sessions are open at once; each starts from one of four system prompts (64 to 192 tokens,
+    most sessions on the first) and runs 2 to 8 turns of 16 to 96 new tokens, each turn re-sending
+    the whole session so far, capped at 600 tokens. Every request comes from a session picked at
+    random, so sessions interleave; a finished session is replaced by a new one. All draws are raw
+    ``PCG64(seed)`` outputs, so the structure does not depend on ``vocab_size``.
+    """
+    _check_vocab_size(vocab_size)
+    _check_positive("n_requests", n_requests)
+    bits = np.random.PCG64(seed)
+
+    def uniform(lo: int, hi: int) -> int:
+        return lo + int(bits.random_raw()) % (hi - lo + 1)
+
+    def fresh(num_tokens: int) -> TokenArray:
+        return _raw_to_tokens(bits.random_raw(num_tokens), vocab_size)
+
+    prompts = [fresh(n) for n in _BUILTIN_PROMPT_TOKENS]
+
+    def new_session() -> tuple[TokenArray, int]:
+        pick = _BUILTIN_PROMPT_PICKS[uniform(0, len(_BUILTIN_PROMPT_PICKS) - 1)]
+        return prompts[pick], uniform(*_BUILTIN_TURNS)
+
+    # Each session is (tokens sent so far, turns left).
+    sessions = [new_session() for _ in range(_BUILTIN_SESSIONS)]
+    requests: list[Request] = []
+    while len(requests) < n_requests:
+        i = uniform(0, len(sessions) - 1)
+        turn = fresh(uniform(*_BUILTIN_TURN_TOKENS))
+        sent, turns_left = sessions[i]
+        if turns_left == 0 or len(sent) + len(turn) > _BUILTIN_MAX_TOKENS:
+            sent, turns_left = new_session()
+        tokens = np.concatenate([sent, turn])
+        sessions[i] = tokens, turns_left - 1
+        requests.append(Request(len(requests), tokens))
+    return requests
+
+
+def _parse_synthetic_spec(spec: str) -> tuple[int, int]:
+    """``synthetic[:SEED[:N]]`` -> ``(seed, n_requests)``; the defaults are seed 0, 2000 requests."""
+    fields = spec.split(":")[1:]
+    if len(fields) > 2 or not all(f.isascii() and f.isdigit() for f in fields):
+        raise WorkloadError(
+            f"bad synthetic workload {spec!r}: expected synthetic, synthetic:SEED or synthetic:SEED:N"
+        )
+    seed = int(fields[0]) if fields else 0
+    n_requests = int(fields[1]) if len(fields) == 2 else 2000
+    return seed, n_requests
+
+
+def load_workload(
+    spec: str,
+    *,
+    limit: int | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    on_error: str = "stop",
+) -> Workload:
+    """Resolve a workload spec: ``builtin``, ``synthetic[:SEED[:N]]`` or a path to a ``.jsonl`` trace.
+
+    ``limit`` caps the number of requests (the first ``limit`` of the workload); ``on_error``
+    applies to traces (see :func:`load_mooncake`). An unknown spec raises :class:`WorkloadError`.
+    """
+    _check_load_args(limit, vocab_size, on_error)
+    if spec == "builtin":
+        n_requests = BUILTIN_REQUESTS if limit is None else min(BUILTIN_REQUESTS, limit)
+        return Workload(spec, builtin(vocab_size, n_requests=n_requests))
+    if spec == "synthetic" or spec.startswith("synthetic:"):
+        seed, n_requests = _parse_synthetic_spec(spec)
+        if limit is not None:
+            n_requests = min(n_requests, limit)
+        return Workload(spec, synthetic(seed, n_requests, vocab_size))
+    if spec.endswith(".jsonl"):
+        return load_mooncake(spec, limit=limit, vocab_size=vocab_size, on_error=on_error)
+    raise WorkloadError(
+        f"unknown workload {spec!r}: expected builtin, synthetic, synthetic:SEED, "
+        "synthetic:SEED:N, or a path to a Mooncake .jsonl trace"
+    )
