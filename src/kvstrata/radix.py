@@ -199,6 +199,10 @@ class RadixTree:
         pages = last.pages[:m] if len(path) == 1 else np.concatenate([n.pages for n in path])[:m]
         return MatchResult(m * self.page_size, pages, last)
 
+    def match_length(self, tokens: TokenKey | object) -> int:
+        """The valid length ``match_prefix`` would return, without recording an access."""
+        return self._descend(self.key(tokens))[1] * self.page_size
+
     def _descend(self, key: TokenKey) -> tuple[list[Node], int]:
         """Nodes whose pages the full-page prefix of ``key`` matches, and how many pages match.
 

@@ -1,0 +1,154 @@
+"""Prefill throughput of kvstrata's model against transformers, on the same weights and inputs.
+
+Both sides compute what an uncached prefill needs: every layer's K/V (ours into the paged pool,
+transformers into its cache) and the logits of the last token only. The transformers model uses
+``attn_implementation="sdpa"`` and ``logits_to_keep=1``. Output: a table, then one JSON object on the
+last line.
+
+    python bench/prefill.py                                   # CPU, preset "small", 1024 tokens
+    python bench/prefill.py --preset llama-3.2-1b --device cuda --lengths 1024 8192 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import transformers
+
+from kvstrata.model import PRESETS, ForwardBatch, LlamaModel, ModelConfig, convert_hf_state
+from kvstrata.pool import DevicePool
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """Median prefill throughput of both implementations at one prompt length."""
+
+    length: int
+    ours_tok_s: float
+    transformers_tok_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_tok_s / self.transformers_tok_s
+
+
+def build_models(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int
+) -> tuple[LlamaModel, torch.nn.Module]:
+    """A transformers model with seeded random weights, and ours holding the same weights."""
+    hf_dict = config.to_hf()
+    hf_config = transformers.AutoConfig.for_model(
+        hf_dict.pop("model_type"), **{k: v for k, v in hf_dict.items() if k != "architectures"}
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        hf_model = transformers.AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation="sdpa", dtype=dtype
+        )
+    hf_model.eval().requires_grad_(False)
+    if "logits_to_keep" not in inspect.signature(hf_model.forward).parameters:
+        raise SystemExit(
+            f"transformers {transformers.__version__} has no logits_to_keep; "
+            "this benchmark needs transformers >= 4.50"
+        )
+    state = {name: t.detach() for name, t in hf_model.state_dict().items()}
+    ours = LlamaModel.from_state_dict(config, convert_hf_state(config, state))
+    return ours, hf_model
+
+
+def median_seconds(
+    fn: Callable[[], object], device: torch.device, warmup: int, repeats: int
+) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    config = PRESETS[args.preset]
+    ours, hf_model = build_models(config, device, dtype, args.seed)
+    page_size = args.page_size
+    max_pages = -(-max(args.lengths) // page_size)
+    pool = DevicePool(
+        config.kv_layout(args.dtype), page_size=page_size, num_slots=max_pages, device=device
+    )
+    generator = torch.Generator().manual_seed(args.seed)
+    results = []
+    for length in args.lengths:
+        input_ids = torch.randint(0, config.vocab_size, (length,), generator=generator).to(device)
+        page_table = torch.arange(-(-length // page_size))
+
+        def ours_prefill(input_ids: torch.Tensor = input_ids, length: int = length) -> object:
+            # The batch metadata is part of a prefill's cost, as transformers' masks are of its.
+            batch = ForwardBatch.build([0], [length], [page_table], page_size, device)
+            return ours(input_ids, batch, pool, logits="last")
+
+        def hf_prefill(input_ids: torch.Tensor = input_ids) -> object:
+            return hf_model(input_ids[None], logits_to_keep=1, use_cache=True).logits
+
+        with torch.inference_mode():
+            ours_s = median_seconds(ours_prefill, device, args.warmup, args.repeats)
+            hf_s = median_seconds(hf_prefill, device, args.warmup, args.repeats)
+        results.append(Result(length, length / ours_s, length / hf_s))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+        help="default: float32 on CPU, bfloat16 on CUDA",
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024], help="prompt lengths")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs; the median is reported")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.dtype is None:
+        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+
+    results = run(args)
+    print(f"preset {args.preset}, {args.device}, {args.dtype}, median of {args.repeats}")
+    print(f"{'length':>8} {'ours tok/s':>14} {'transformers tok/s':>20} {'ratio':>7}")
+    for r in results:
+        print(f"{r.length:>8} {r.ours_tok_s:>14,.0f} {r.transformers_tok_s:>20,.0f} {r.ratio:>7.3f}")
+    summary = {
+        "bench": "prefill",
+        "preset": args.preset,
+        "device": args.device,
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "repeats": args.repeats,
+        "results": [asdict(r) | {"ratio": r.ratio} for r in results],
+        "min_ratio": min(r.ratio for r in results),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

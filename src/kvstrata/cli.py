@@ -1,0 +1,207 @@
+"""The ``kvstrata`` command line: a thin skin over the config dataclasses.
+
+kvstrata replay         run a workload through the prefill engine and report the cache's savings
+kvstrata check-model    compare a checkpoint's logits with transformers before serving it
+kvstrata bench radix    radix tree speed on the shared synthetic workload
+kvstrata bench prefill  prefill tokens/s against transformers on the same inputs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import KVStrataError
+
+
+def _replay_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="replay a workload through the engine (the main job)",
+        description="Replay a workload through the prefill engine on top of the prefix cache and "
+        "report what the cache saved: hit ratio, computed tokens, prefill tokens/s, TTFT "
+        "percentiles, pool usage. With no arguments: the built-in workload through the `tiny` "
+        "model on the CPU. The last line of output is a JSON summary with --json.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--trace",
+        "--workload",
+        dest="workload",
+        default="builtin",
+        help="'builtin', 'synthetic[:SEED[:N]]', or a Mooncake JSONL trace file "
+        "(each hash id is a 512-token block)",
+    )
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="a preset (tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b), a Hugging Face "
+        "checkpoint directory (config.json + *.safetensors), or 'none' for cache-only replay "
+        "with synthetic KV payloads",
+    )
+    p.add_argument(
+        "--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on GPU)"
+    )
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument(
+        "--l1-tokens",
+        "--pool-tokens",
+        dest="l1_tokens",
+        type=int,
+        default=65_536,
+        help="device pool (L1) size in tokens",
+    )
+    p.add_argument(
+        "--chunk-size", type=int, default=2048, help="max tokens a request computes per step"
+    )
+    p.add_argument(
+        "--max-batch-tokens", type=int, default=8192, help="max tokens computed per step"
+    )
+    p.add_argument(
+        "--max-batch-requests", type=int, default=64, help="max requests running at once"
+    )
+    p.add_argument("--eviction", choices=["lru", "slru"], default="lru", help="eviction policy")
+    p.add_argument(
+        "--kv-width", type=int, default=64, help="with --model none: synthetic KV bytes per token"
+    )
+    p.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="N",
+        help="recompute N sampled requests without the cache and report the largest |logit "
+        "difference| and argmax agreement (payload bytes with --model none)",
+    )
+    p.add_argument(
+        "--on-error",
+        choices=["stop", "skip"],
+        default="stop",
+        help="a malformed trace line: stop with its line number, or skip it (and count it)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed for preset weights and --verify sampling"
+    )
+    p.add_argument(
+        "--check", action="store_true", help="debug: check every invariant after each step"
+    )
+    p.add_argument("--json", action="store_true", help="print the JSON summary as the last line")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run_replay)
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from .engine import EngineConfig
+    from .replay import ReplayConfig, run_replay
+
+    cfg = ReplayConfig(
+        workload=args.workload,
+        limit=args.limit,
+        model=args.model,
+        dtype=args.dtype,
+        kv_width=args.kv_width,
+        engine=EngineConfig(
+            page_size=args.page_size,
+            pool_tokens=args.l1_tokens,
+            chunk_size=args.chunk_size,
+            max_batch_tokens=args.max_batch_tokens,
+            max_batch_requests=args.max_batch_requests,
+            eviction=args.eviction,
+            device=args.device,
+            check_every_step=args.check,
+        ),
+        verify=args.verify,
+        on_error=args.on_error,
+        seed=args.seed,
+    )
+    summary = run_replay(cfg, progress=not args.no_progress and sys.stderr.isatty())
+    print(summary.table())
+    for error in summary.errors:
+        print(f"failed: {error}")
+    if args.json:
+        print(json.dumps(summary.to_json()))
+    return 0
+
+
+def _check_model_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check-model",
+        help="compare a checkpoint's logits with transformers",
+        description="Load a checkpoint (or a preset, saved first as a checkpoint) with kvstrata and "
+        "with transformers, run a few prompts of awkward lengths, and report the largest |logit "
+        "difference| and argmax agreement. Exits 1 past the tolerance.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", help="checkpoint directory or preset name")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--atol", type=float, default=None, help="tolerance (default 1e-3 in fp32, 0.5 in bf16)"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_run_check_model)
+
+
+def _run_check_model(args: argparse.Namespace) -> int:
+    from .check_model import check_model
+
+    report = check_model(
+        args.model, device=args.device, dtype=args.dtype, page_size=args.page_size, atol=args.atol
+    )
+    verdict = "OK" if report.ok else "FAIL"
+    print(f"model              {report.model} ({report.architecture})")
+    print(f"prompt lengths     {', '.join(map(str, report.lengths))}")
+    print(f"max |logit diff|   {report.max_abs_logit_diff:.3g} (tolerance {report.atol:g})")
+    print(f"argmax agreement   {report.argmax_agree:.4f}")
+    print(f"verdict            {verdict}")
+    if args.json:
+        print(json.dumps({**report.__dict__, "ok": report.ok}))
+    return 0 if report.ok else 1
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks (radix, prefill); each prints a table and a JSON line",
+        description="Run a benchmark. Arguments after the name go to the benchmark "
+        "(kvstrata bench radix --help).",
+    )
+    p.add_argument("name", choices=["radix", "prefill"])
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    if args.name == "radix":
+        from .benchmarks import radix
+
+        return radix.main(args.rest)
+    from .benchmarks import prefill
+
+    return int(prefill.main(args.rest))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvstrata",
+        description="kvstrata: a page-granular prefix KV cache for LLM prefill, with a reference "
+        "engine that runs Llama/Qwen models on top of it.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _replay_parser(sub)
+    _check_model_parser(sub)
+    _bench_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except KVStrataError as err:
+        print(f"kvstrata {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,299 @@
+"""The step-based prefill engine: the cache's reason to exist.
+
+Per request::
+
+    match_prefix ──▶ lock ──▶ alloc pages for the uncached suffix (evict if short)
+        ──▶ compute the suffix in chunks over several steps ──▶ insert ──▶ free duplicates ──▶ unlock
+
+Each :meth:`Engine.step` admits waiting requests in arrival order, then packs one chunk of every
+running request into a single forward without padding. A request always recomputes at least its
+last token (a prefill needs its logits), so a full hit is trimmed to the page boundary before it.
+A request that cannot fit even in an empty pool fails alone with a :class:`RequestError`; one that
+only has to wait for running requests to release pages stays queued.
+
+Admission defers a request whose first uncached page is being computed right now by a running
+request (same prefix key): it would compute the same KV twice. It waits until that request has
+inserted its pages and then hits them; later requests may pass it meanwhile. This reads only
+replicated inputs (arrival order, prefix keys), so every rank defers identically.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from .allocator import PageAllocator
+from .compute import Compute
+from .config import CacheConfig, PoolConfig
+from .errors import ConfigError, RequestError
+from .keys import TokenKey
+from .model.batch import ForwardBatch
+from .pool import DevicePool
+from .radix import Node, RadixTree
+from .workloads import Request
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizes. ``pool_tokens`` is the L1 device pool, in tokens (whole pages)."""
+
+    page_size: int = 16
+    pool_tokens: int = 65_536
+    chunk_size: int = 2_048
+    max_batch_tokens: int = 8_192
+    max_batch_requests: int = 64
+    eviction: str = "lru"
+    device: str = "cpu"
+    check_every_step: bool = False
+
+    def __post_init__(self) -> None:
+        CacheConfig(page_size=self.page_size, eviction=self.eviction)  # validates both
+        for name in ("pool_tokens", "chunk_size", "max_batch_tokens", "max_batch_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.pool_tokens < self.page_size:
+            raise ConfigError(
+                f"pool_tokens ({self.pool_tokens}) must hold at least one page of {self.page_size} tokens"
+            )
+
+    @property
+    def pool_pages(self) -> int:
+        return self.pool_tokens // self.page_size
+
+
+@dataclass
+class Finished:
+    """The outcome of one request."""
+
+    rid: int
+    prompt_len: int
+    cached_len: int  # tokens served from the cache
+    logits: torch.Tensor | None  # last-token logits on the CPU (None without a model or on error)
+    ttft_s: float  # engine time from the step it entered to its last-token logits
+    error: str | None = None
+    payload: torch.Tensor | None = None  # the sequence's cached payload rows, when kept (no model)
+
+    @property
+    def computed_len(self) -> int:
+        return 0 if self.error else self.prompt_len - self.cached_len
+
+
+@dataclass
+class _Running:
+    request: Request
+    key: TokenKey
+    node: Node  # locked while the request runs
+    pages: IntArray  # one logical page per page of the whole sequence
+    cached_len: int
+    done_len: int
+    entered_at: float
+    keep_logits: bool
+    logits: torch.Tensor | None = field(default=None)
+
+
+class Engine:
+    """Prefill engine over one device pool, one radix tree and one page allocator (one rank)."""
+
+    def __init__(self, compute: Compute, config: EngineConfig) -> None:
+        self.compute = compute
+        self.config = config
+        P = config.page_size
+        self.pool = DevicePool(compute.layout, P, config.pool_pages, config.device)
+        self.allocator = PageAllocator(PoolConfig(num_pages=config.pool_pages))
+        self.tree = RadixTree(
+            CacheConfig(page_size=P, eviction=config.eviction), capacity_pages=config.pool_pages
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[_Running] = []
+        self.keep_logits: set[int] = set()
+        # Prefix keys of the full pages running requests are computing, with multiplicity.
+        self._inflight: dict[int, int] = {}
+        self.deferred = 0
+        self.steps = 0
+        self.peak_pages_used = 0
+
+    # -- public ----------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Finished]:
+        """Admit what fits, run one packed forward, finish the requests it completed."""
+        started = time.perf_counter()
+        finished = self._admit(started)
+        if not self.running:
+            return finished
+        chosen: list[tuple[_Running, int]] = []
+        budget = self.config.max_batch_tokens
+        for run in self.running:
+            if budget == 0:
+                break
+            extend = min(self.config.chunk_size, len(run.key) - run.done_len, budget)
+            chosen.append((run, extend))
+            budget -= extend
+        logits = self._forward(chosen)
+        if self.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.device)
+        now = time.perf_counter()
+        for i, (run, extend) in enumerate(chosen):
+            run.done_len += extend
+            if run.done_len == len(run.key):
+                if logits is not None and run.keep_logits:
+                    run.logits = logits[i].float().cpu()
+                finished.append(self._finish(run, now))
+        self.running = [r for r in self.running if r.done_len < len(r.key)]
+        self.steps += 1
+        if self.config.check_every_step:
+            self.check()
+        return finished
+
+    def check(self) -> None:
+        """Tree and allocator invariants, and every page either free or accounted for."""
+        self.tree.check()
+        self.allocator.check()
+        held = sum(int(r.pages.size) - r.cached_len // self.config.page_size for r in self.running)
+        if self.allocator.num_used != self.tree.num_pages + held:
+            raise AssertionError(
+                f"pages used {self.allocator.num_used} != tree {self.tree.num_pages} + running {held}"
+            )
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def _admit(self, now: float) -> list[Finished]:
+        failed: list[Finished] = []
+        cfg = self.config
+        budget = cfg.max_batch_tokens - sum(
+            min(cfg.chunk_size, len(r.key) - r.done_len) for r in self.running
+        )
+        passed: list[Request] = []
+        while self.waiting and len(self.running) < cfg.max_batch_requests and budget > 0:
+            request = self.waiting.popleft()
+            n = request.tokens.size
+            error = self._refusal(request)
+            if error is not None:
+                failed.append(Finished(request.rid, n, 0, None, 0.0, str(error)))
+                continue
+            key = self.tree.key(request.tokens)
+            if self._computing_now(key):
+                passed.append(request)
+                self.deferred += 1
+                continue
+            run = self._try_start(request, key, now)
+            if run is None:
+                self.waiting.appendleft(request)
+                break  # wait for running requests to release pages
+            self.running.append(run)
+            self._track(run, +1)
+            budget -= min(cfg.chunk_size, n - run.done_len)
+        self.waiting.extendleft(reversed(passed))
+        return failed
+
+    def _refusal(self, request: Request) -> RequestError | None:
+        """Why ``request`` can never run on this engine, or None."""
+        n, cfg = request.tokens.size, self.config
+        if n > self.compute.max_seq_len:
+            return RequestError(
+                f"request {request.rid}: {n} tokens exceed the model's {self.compute.max_seq_len} "
+                "positions (max_position_embeddings)"
+            )
+        if -(-n // cfg.page_size) > cfg.pool_pages:
+            return RequestError(
+                f"request {request.rid}: {n} tokens need {-(-n // cfg.page_size)} pages of "
+                f"{cfg.page_size}, the device pool has {cfg.pool_pages}; raise the pool size"
+            )
+        if int(request.tokens.max()) >= self.compute.vocab_size:
+            return RequestError(
+                f"request {request.rid}: token id {int(request.tokens.max())} is outside the "
+                f"model's vocabulary of {self.compute.vocab_size}"
+            )
+        return None
+
+    def _computing_now(self, key: TokenKey) -> bool:
+        """Whether a running request is computing the first page ``key`` would compute."""
+        if not self._inflight:
+            return False
+        m = self.tree.match_length(key) // self.config.page_size
+        return m < key.num_full_pages and key.page_keys.item(m) in self._inflight
+
+    def _track(self, run: _Running, sign: int) -> None:
+        first = run.cached_len // self.config.page_size
+        for k in run.key.page_keys[first:].tolist():
+            count = self._inflight.get(k, 0) + sign
+            if count:
+                self._inflight[k] = count
+            else:
+                del self._inflight[k]
+
+    def _try_start(self, request: Request, key: TokenKey, now: float) -> _Running | None:
+        P = self.config.page_size
+        tree, allocator = self.tree, self.allocator
+        hit = tree.match_prefix(key)
+        n = len(key)
+        cached_len = min(hit.valid_len, (n - 1) // P * P)  # always recompute the last token
+        tree.lock(hit.last_node)
+        need = -(-n // P) - cached_len // P
+        new_pages = allocator.alloc(cached_len // P, need)
+        if new_pages is None:
+            allocator.free(tree.evict(need - allocator.num_free))
+            new_pages = allocator.alloc(cached_len // P, need)
+        if new_pages is None:
+            # Only running requests can hold what eviction could not free; they will finish.
+            assert self.running, f"request {request.rid}: {need} pages do not fit an idle pool"
+            tree.unlock(hit.last_node)
+            return None
+        self.peak_pages_used = max(self.peak_pages_used, allocator.num_used)
+        pages = np.concatenate((hit.device_pages[: cached_len // P], new_pages))
+        return _Running(
+            request=request,
+            key=key,
+            node=hit.last_node,
+            pages=pages,
+            cached_len=cached_len,
+            done_len=cached_len,
+            entered_at=now,
+            keep_logits=request.rid in self.keep_logits,
+        )
+
+    # -- forward and finish ----------------------------------------------------------------------
+
+    def _forward(self, chosen: list[tuple[_Running, int]]) -> torch.Tensor | None:
+        device = self.pool.device
+        ids = np.concatenate(
+            [run.key.tokens[run.done_len : run.done_len + extend] for run, extend in chosen]
+        )
+        batch = ForwardBatch.build(
+            prefix_lens=[run.done_len for run, _ in chosen],
+            extend_lens=[extend for _, extend in chosen],
+            page_tables=[run.pages for run, _ in chosen],
+            page_size=self.config.page_size,
+            device=device,
+        )
+        input_ids = torch.from_numpy(ids.astype(np.int64)).to(device)
+        return self.compute.forward(input_ids, batch, self.pool)
+
+    def _finish(self, run: _Running, now: float) -> Finished:
+        payload = (
+            self.compute.snapshot(self.pool, run.pages, len(run.key)) if run.keep_logits else None
+        )
+        result = self.tree.insert(run.key, run.pages, run.cached_len)
+        self.allocator.free(result.free_pages)
+        self.tree.unlock(run.node)
+        return Finished(
+            rid=run.request.rid,
+            prompt_len=len(run.key),
+            cached_len=run.cached_len,
+            logits=run.logits,
+            ttft_s=now - run.entered_at,
+            payload=payload,
+        )

@@ -1,0 +1,302 @@
+"""A Llama / Qwen2 / Qwen3 decoder in plain PyTorch whose attention reads and writes a paged pool.
+
+The arithmetic follows transformers step for step (RMSNorm in fp32, RoPE tables in fp32 cast to the
+compute dtype, q/k RMSNorm before RoPE for Qwen3), so its logits match transformers on the same
+weights. Two differences are pure layout: the q/k/v projections and the gate/up projections are
+fused into one matmul each (``qkv_proj``, ``gate_up_proj``), and K/V live in a
+:class:`~kvstrata.pool.DevicePool` instead of a per-request cache.
+
+Per layer, the K/V of the packed extend tokens are written into the pool rows
+``batch.write_index``; then each request attends over its whole sequence. A request without a
+cached prefix attends to the K/V it just computed, which are bit-for-bit the rows it just wrote (the
+pool has the model's dtype), with ``is_causal=True`` so CUDA can pick the flash kernel. A request
+with a cached prefix gathers its rows ``batch.read_index[i]`` from the pool and uses the causal mask
+that ``ForwardBatch`` built for its offset.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError, RequestError
+from ..pool import DevicePool, torch_dtype
+from .batch import ForwardBatch
+from .config import ModelConfig
+
+LogitsMode = Literal["last", "all"]
+
+
+def rope_inv_freq(config: ModelConfig, device: str | torch.device = "cpu") -> torch.Tensor:
+    """``[head_dim // 2]`` fp32 RoPE frequencies, with Llama-3 scaling when the config has it."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Wavelengths longer than the original context are stretched by `factor`, those much shorter
+    # are kept, and the band between is interpolated:
+    #   kept  |<- high_freq_wavelen  smooth  low_freq_wavelen ->|  divided by factor
+    context = scaling.original_max_position_embeddings
+    low_freq_wavelen = context / scaling.low_freq_factor
+    high_freq_wavelen = context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` by the ``[T, 1, head_dim]`` tables (half-split layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, computed in fp32 as transformers does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention of one layer over the paged pool."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm: nn.Module = nn.Identity()
+        self.k_norm: nn.Module = nn.Identity()
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DevicePool,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+
+        k_rows = pool.token_view("k", self.layer)
+        v_rows = pool.token_view("v", self.layer)
+        k_rows.index_copy_(0, batch.write_index, k)
+        v_rows.index_copy_(0, batch.write_index, v)
+
+        out = torch.empty_like(q)
+        starts = batch.cu_seqlens_host
+        for i, mask in enumerate(batch.attn_masks):
+            start, end = starts[i], starts[i + 1]
+            if mask is None:
+                out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None)
+            else:
+                rows = batch.read_index[i]
+                out[start:end] = self._attend(
+                    q[start:end], k_rows.index_select(0, rows), v_rows.index_select(0, rows), mask
+                )
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``[L, heads, D]`` attention of ``L`` queries over ``S`` keys (``[S, kv_heads, D]``)."""
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        groups = self.num_heads // self.num_kv_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+        else:
+            # No fused CUDA kernel takes both a mask and GQA (SDPA would fall back to the math
+            # kernel and materialise [heads, L, S] scores), so share the K/V heads explicitly.
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out[0].transpose(0, 1)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DevicePool,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder: embeddings, ``num_layers`` decoder layers, final norm and output projection.
+
+    Parameter names follow transformers minus the ``model.`` prefix, except the fused
+    ``self_attn.qkv_proj`` and ``mlp.gate_up_proj``. With tied embeddings there is no ``lm_head``:
+    the output projection reads ``embed_tokens.weight``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A plain attribute, not a buffer: it stays fp32 whatever dtype the weights take, and it is
+        # real even when the module is built on the meta device.
+        self.inv_freq = rope_inv_freq(config, device="cpu")
+
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, state: Mapping[str, torch.Tensor]) -> LlamaModel:
+        """Adopt ``state`` (this module's parameter names) as the weights, without copying it.
+
+        The model takes the device and dtype of the tensors in ``state``; it is returned in eval
+        mode with gradients off.
+        """
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.eval().requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DevicePool,
+        logits: LogitsMode = "last",
+    ) -> torch.Tensor:
+        """Run the packed extend tokens ``input_ids`` ``[T]`` and write their K/V into ``pool``.
+
+        Returns logits in the model's dtype: ``[num_requests, vocab]`` for each request's last token
+        with ``logits="last"`` (the output projection runs on those rows only), or ``[T, vocab]``
+        with ``logits="all"``.
+        """
+        if logits not in ("last", "all"):
+            raise ConfigError(f"logits must be 'last' or 'all', got {logits!r}")
+        self._check_inputs(input_ids, batch, pool)
+        x = self.embed_tokens(input_ids)
+        cos, sin = self._rope_tables(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, pool)
+        if logits == "last":
+            x = x[batch.last_index]
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(x), weight)
+
+    def _rope_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, head_dim]`` cos and sin for ``positions``, computed in fp32, cast to ``dtype``."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _check_inputs(self, input_ids: torch.Tensor, batch: ForwardBatch, pool: DevicePool) -> None:
+        """Raise a typed error for inputs that would otherwise fail deep inside a kernel."""
+        config = self.config
+        weight = self.embed_tokens.weight
+        if input_ids.dim() != 1 or input_ids.numel() != batch.num_tokens:
+            raise ConfigError(
+                f"input_ids must be 1-D with the batch's {batch.num_tokens} packed tokens, "
+                f"got shape {tuple(input_ids.shape)}"
+            )
+        if pool.page_size != batch.page_size:
+            raise ConfigError(
+                f"the batch was built for page_size {batch.page_size}, the pool has {pool.page_size}"
+            )
+        if pool.layout.num_layers != config.num_layers:
+            raise ConfigError(
+                f"the pool holds {pool.layout.num_layers} layers, the model has {config.num_layers}"
+            )
+        for name in ("k", "v"):
+            spec = pool.layout.payload(name)
+            if spec.token_shape != (config.num_kv_heads, config.head_dim):
+                raise ConfigError(
+                    f"pool payload {name!r} has token shape {spec.token_shape}, the model needs "
+                    f"{(config.num_kv_heads, config.head_dim)}; build it from config.kv_layout()"
+                )
+            if torch_dtype(spec.dtype) != weight.dtype:
+                raise ConfigError(
+                    f"pool payload {name!r} is {spec.dtype}, the model computes in {weight.dtype}; "
+                    "give the pool the model's dtype"
+                )
+        if pool.buffer("k", 0).device != weight.device:
+            raise ConfigError(
+                f"the pool lives on {pool.buffer('k', 0).device}, the model on {weight.device}"
+            )
+        for i, (prefix, extend) in enumerate(
+            zip(batch.prefix_lens, batch.extend_lens, strict=True)
+        ):
+            if prefix + extend > config.max_position_embeddings:
+                raise RequestError(
+                    f"request {i}: {prefix + extend} tokens exceed the model's "
+                    f"max_position_embeddings ({config.max_position_embeddings})"
+                )
+        bad = (input_ids < 0) | (input_ids >= config.vocab_size)
+        if bool(bad.any()):
+            token = int(bad.nonzero()[0, 0])
+            i = next(r for r in range(batch.num_requests) if batch.cu_seqlens_host[r + 1] > token)
+            raise RequestError(
+                f"request {i}: token id {int(input_ids[token])} is outside the vocabulary "
+                f"[0, {config.vocab_size})"
+            )
