@@ -5,7 +5,7 @@ transformers into its cache) and the logits of the last token only. The transfor
 ``attn_implementation="sdpa"`` and ``logits_to_keep=1``. Output: a table, then one JSON object on the
 last line.
 
-    python bench/prefill.py                                   # CPU, preset "small", 1024 tokens
+    python bench/prefill.py --device cpu        # preset small, float32, 1024 tokens
     python bench/prefill.py --preset llama-3.2-1b --device cuda --lengths 1024 8192 32768
 """
 
@@ -16,7 +16,7 @@ import inspect
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -63,22 +63,33 @@ def build_models(
     return ours, hf_model
 
 
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of one call of ``fn``, with the device drained before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def median_seconds(
-    fn: Callable[[], object], device: torch.device, warmup: int, repeats: int
-) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` untimed runs."""
+    fns: Sequence[Callable[[], object]], device: torch.device, warmup: int, repeats: int
+) -> list[float]:
+    """Median wall time of each of ``fns`` over ``repeats`` runs, after ``warmup`` untimed runs.
+
+    The functions take turns within every repeat, so a change in machine load (a shared CPU)
+    affects all of them alike instead of whichever happened to run during it.
+    """
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, fn_times in zip(fns, times, strict=True):
+            fn_times.append(timed(fn, device))
+    return [statistics.median(t) for t in times]
 
 
 def run(args: argparse.Namespace) -> list[Result]:
@@ -97,7 +108,11 @@ def run(args: argparse.Namespace) -> list[Result]:
         input_ids = torch.randint(0, config.vocab_size, (length,), generator=generator).to(device)
         page_table = torch.arange(-(-length // page_size))
 
-        def ours_prefill(input_ids: torch.Tensor = input_ids, length: int = length) -> object:
+        def ours_prefill(
+            input_ids: torch.Tensor = input_ids,
+            length: int = length,
+            page_table: torch.Tensor = page_table,
+        ) -> object:
             # The batch metadata is part of a prefill's cost, as transformers' masks are of its.
             batch = ForwardBatch.build([0], [length], [page_table], page_size, device)
             return ours(input_ids, batch, pool, logits="last")
@@ -106,36 +121,58 @@ def run(args: argparse.Namespace) -> list[Result]:
             return hf_model(input_ids[None], logits_to_keep=1, use_cache=True).logits
 
         with torch.inference_mode():
-            ours_s = median_seconds(ours_prefill, device, args.warmup, args.repeats)
-            hf_s = median_seconds(hf_prefill, device, args.warmup, args.repeats)
+            ours_s, hf_s = median_seconds(
+                [ours_prefill, hf_prefill], device, args.warmup, args.repeats
+            )
         results.append(Result(length, length / ours_s, length / hf_s))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
+#: Per device type: preset, dtype and prompt lengths when the command line names none. "small" on CPU
+#: because "tiny" is so small that per-op overhead, not the model's arithmetic, sets its speed.
+_DEFAULTS = {
+    "cpu": ("small", "float32", [1024]),
+    "cuda": ("llama-3.2-1b", "bfloat16", [1024, 8192, 32768]),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark for command-line arguments ``argv``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="prefill", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
-        "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+        "--preset", choices=sorted(PRESETS), help="default: small on CPU, llama-3.2-1b on CUDA"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
         help="default: float32 on CPU, bfloat16 on CUDA",
     )
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024], help="prompt lengths")
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        help="prompt lengths; default: 1024 on CPU, 1024 8192 32768 on CUDA",
+    )
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs; the median is reported")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs; the median is reported")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    if args.dtype is None:
-        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+    args = parser.parse_args(argv)
+    preset, dtype, lengths = _DEFAULTS[torch.device(args.device).type]
+    args.preset = args.preset or preset
+    args.dtype = args.dtype or dtype
+    args.lengths = args.lengths or lengths
 
     results = run(args)
     print(f"preset {args.preset}, {args.device}, {args.dtype}, median of {args.repeats}")
     print(f"{'length':>8} {'ours tok/s':>14} {'transformers tok/s':>20} {'ratio':>7}")
     for r in results:
-        print(f"{r.length:>8} {r.ours_tok_s:>14,.0f} {r.transformers_tok_s:>20,.0f} {r.ratio:>7.3f}")
+        print(
+            f"{r.length:>8} {r.ours_tok_s:>14,.0f} {r.transformers_tok_s:>20,.0f} {r.ratio:>7.3f}"
+        )
     summary = {
         "bench": "prefill",
         "preset": args.preset,
@@ -148,7 +185,8 @@ def main() -> None:
         "min_ratio": min(r.ratio for r in results),
     }
     print(json.dumps(summary))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -27,8 +27,7 @@ def _long_tokens() -> np.ndarray:
 
 def _key_fingerprint(key: TokenKey) -> dict[str, object]:
     return {
-        "page_keys": [int(x) for x in key.page_keys[:8]]
-        + [int(x) for x in key.page_keys[-8:]],
+        "page_keys": [int(x) for x in key.page_keys[:8]] + [int(x) for x in key.page_keys[-8:]],
         "sum": int(key.page_keys.sum(dtype=np.uint64)),
         "end_key": int(key.end_key),
     }

@@ -102,6 +102,14 @@ class PageAllocator:
 
     def alloc(self, start_position: int, num_pages: int) -> IntArray | None:
         """Pages for sequence positions ``start_position .. start_position + num_pages - 1``."""
+        if self.cp_size == 1:  # one lane: the owners are all 0, no need to spell them out
+            top = int(self._tops[0])
+            if num_pages > top:
+                return None
+            out = self._stacks[0, top - num_pages : top][::-1].copy()
+            self._tops[0] = top - num_pages
+            self._free[out] = False
+            return out
         owners = (
             np.arange(start_position, start_position + num_pages, dtype=np.int64) % self.cp_size
         )

@@ -162,7 +162,13 @@ class Engine:
         """Tree and allocator invariants, and every page either free or accounted for."""
         self.tree.check()
         self.allocator.check()
-        held = sum(int(r.pages.size) - r.cached_len // self.config.page_size for r in self.running)
+        P = self.config.page_size
+        held = sum(int(r.pages.size) - r.cached_len // P for r in self.running)
+        inflight = sum(r.key.num_full_pages - r.cached_len // P for r in self.running)
+        if sum(self._inflight.values()) != inflight:
+            raise AssertionError(
+                f"in-flight page keys {sum(self._inflight.values())} != {inflight}"
+            )
         if self.allocator.num_used != self.tree.num_pages + held:
             raise AssertionError(
                 f"pages used {self.allocator.num_used} != tree {self.tree.num_pages} + running {held}"
@@ -283,6 +289,7 @@ class Engine:
         return self.compute.forward(input_ids, batch, self.pool)
 
     def _finish(self, run: _Running, now: float) -> Finished:
+        self._track(run, -1)
         payload = (
             self.compute.snapshot(self.pool, run.pages, len(run.key)) if run.keep_logits else None
         )

@@ -52,6 +52,8 @@ class Node:
         "end",
         "seq",
         "keys",
+        "num_full",
+        "full_key",
         "pages",
         "residency",
         "lock_ref",
@@ -83,6 +85,8 @@ class Node:
         self.end = end  # valid-token offset one past the last token
         self.seq = seq  # a uint32 token array whose [0, end) is this node's whole path (shared)
         self.keys = keys  # prefix keys at this node's full-page boundaries
+        self.num_full = keys.size  # full pages (a valid tail is not one)
+        self.full_key = keys.item(-1) if keys.size else -1  # key at the last full-page boundary
         self.pages = pages  # device logical pages, one per (possibly partial) page
         self.residency = Residency.DEVICE
         self.lock_ref = 0
@@ -180,10 +184,16 @@ class RadixTree:
     def match_prefix(self, tokens: TokenKey | object) -> MatchResult:
         """The longest cached prefix of ``tokens`` in whole pages, and its device pages.
 
-        Bumps the logical clock and records an access and a hit on every node of the path.
+        Bumps the logical clock and records an access and a hit on every node of the path. A match
+        that ends inside a node splits it there, so ``last_node`` ends exactly at ``valid_len``.
         """
         key = self.key(tokens)
         path, m = self._descend(key)
+        if path and path[-1].end > m * self.page_size:
+            # The match ends inside a node: split it, so that locking the result protects exactly
+            # the matched pages and the node's unmatched rest stays evictable.
+            path = [*path[:-1], self._split(path[-1], m * self.page_size)]
+            self._memo = (key, self._version, path, m)  # still the walk an insert would do
         self.clock += 1
         clock = self.clock
         for node in path:
@@ -226,11 +236,10 @@ class RadixTree:
             child = node.children.get(keys.item(m))
             if child is None:
                 break
-            ck = child.keys
-            nk = ck.size
+            nk = child.num_full
             if nk == 0:  # a lone valid-tail page: never matched
                 break
-            if nf - m >= nk and keys.item(m + nk - 1) == ck.item(nk - 1):
+            if nf - m >= nk and keys.item(m + nk - 1) == child.full_key:
                 path.append(child)
                 m += nk
                 if child.end % P:  # it ends in a valid tail, which is never matched
@@ -238,7 +247,7 @@ class RadixTree:
                 node = child
                 continue
             lim = min(nk, nf - m)
-            eq = keys[m : m + lim] == ck[:lim]
+            eq = keys[m : m + lim] == child.keys[:lim]
             j = lim if bool(eq.all()) else int(np.argmin(eq))
             if j:
                 path.append(child)
@@ -387,6 +396,8 @@ class RadixTree:
         parent.children[node.first_key] = upper
         node.first_key = int(node.keys[k]) if node.keys.size > k else node.end_key
         node.keys = node.keys[k:]
+        node.num_full = node.keys.size
+        node.full_key = node.keys.item(-1) if node.keys.size else -1
         node.pages = node.pages[k:]
         node.start = at
         node.parent = upper
@@ -545,6 +556,8 @@ class RadixTree:
                 raise fail("has children but ends inside a page (valid tail)")
             if n.pages.size != -(-(n.end - n.start) // P) or n.keys.size != (n.end - n.start) // P:
                 raise fail(f"holds {n.pages.size} pages and {n.keys.size} keys")
+            if n.num_full != n.keys.size or n.full_key != (n.keys.item(-1) if n.keys.size else -1):
+                raise fail("cached full-page count or last full key is stale")
             if n.lock_ref < 0:
                 raise fail(f"lock_ref {n.lock_ref} < 0")
             toks = n.seq[: n.end]

@@ -239,6 +239,23 @@ def run_replay(
     )
 
 
+def recompute_uncached(compute: Compute, config: EngineConfig, request: Request) -> torch.Tensor:
+    """Last-token logits of ``request`` computed by a fresh engine with an empty cache (same
+    page size and chunking), sized for that one request."""
+    P = config.page_size
+    pool_tokens = -(-request.tokens.size // P) * P
+    solo = Engine(compute, EngineConfig(**{**asdict(config), "pool_tokens": pool_tokens}))
+    solo.keep_logits = {request.rid}
+    solo.add(request)
+    out: list[Finished] = []
+    while solo.has_work():
+        out.extend(solo.step())
+    (finished,) = out
+    if finished.error is not None or finished.logits is None:
+        raise ConfigError(f"request {request.rid} cannot be recomputed: {finished.error}")
+    return finished.logits
+
+
 def _verify(
     cfg: ReplayConfig, compute: Compute, sampled: list[Finished], requests: dict[int, Request]
 ) -> VerifyReport:
@@ -257,19 +274,8 @@ def _verify(
         return report
     max_diff, agree = 0.0, 0
     for f in tqdm(sampled, desc="verify", unit="req", leave=False):
-        request = requests[f.rid]
-        n = request.tokens.size
-        P = cfg.engine.page_size
-        solo = Engine(
-            compute, EngineConfig(**{**asdict(cfg.engine), "pool_tokens": -(-n // P) * P})
-        )
-        solo.keep_logits = {request.rid}
-        solo.add(request)
-        out: list[Finished] = []
-        while solo.has_work():
-            out.extend(solo.step())
-        fresh = out[0].logits
-        assert fresh is not None and f.logits is not None
+        fresh = recompute_uncached(compute, cfg.engine, requests[f.rid])
+        assert f.logits is not None
         max_diff = max(max_diff, float((fresh - f.logits).abs().max()))
         agree += int(int(fresh.argmax()) == int(f.logits.argmax()))
     report.max_abs_logit_diff = max_diff

@@ -42,8 +42,6 @@ class ForwardBatch:
     positions: ``[T]`` absolute position of every packed token.
     write_index: ``[T]`` pool token row that receives each packed token's K/V.
     read_index: per request, ``[prefix + extend]`` pool rows of its whole sequence so far.
-    attn_masks: per request, ``None`` when its prefix is empty (plain causal attention), else a
-        ``[extend, prefix + extend]`` boolean mask, True where a query may see a key.
     last_index: ``[R]`` packed index of each request's last token (whose logits a prefill returns).
     """
 
@@ -55,7 +53,6 @@ class ForwardBatch:
     positions: torch.Tensor
     write_index: torch.Tensor
     read_index: tuple[torch.Tensor, ...]
-    attn_masks: tuple[torch.Tensor | None, ...]
     last_index: torch.Tensor
 
     @property
@@ -66,11 +63,6 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         """Packed tokens computed by this forward (the sum of the extend lengths)."""
         return self.cu_seqlens_host[-1]
-
-    @property
-    def max_seq_len(self) -> int:
-        """The longest sequence (prefix + extend) of the batch."""
-        return max(p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True))
 
     @classmethod
     def build(
@@ -101,23 +93,27 @@ class ForwardBatch:
         device = torch.device(device)
         prefix_lens = tuple(int(n) for n in prefix_lens)
         extend_lens = tuple(int(n) for n in extend_lens)
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         offsets = torch.arange(page_size, dtype=torch.int64)
 
-        read_index, attn_masks, positions = [], [], []
+        rows, positions = [], []
         for i, (prefix, extend, table) in enumerate(
             zip(prefix_lens, extend_lens, page_tables, strict=True)
         ):
             slots = _check_request(i, prefix, extend, table, page_size, num_slots)
-            seq_len = prefix + extend
-            rows = (slots[:, None] * page_size + offsets).flatten()[:seq_len]
-            read_index.append(rows.to(device))
-            positions.append(torch.arange(prefix, seq_len, dtype=torch.int64))
-            attn_masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, device))
-
+            rows.append((slots[:, None] * page_size + offsets).flatten()[: prefix + extend])
+            positions.append(torch.arange(prefix, prefix + extend, dtype=torch.int64))
         cu_seqlens_host = tuple(accumulate(extend_lens, initial=0))
-        cu_seqlens = torch.tensor(cu_seqlens_host, dtype=torch.int64, device=device)
-        write_index = torch.cat(
-            [rows[prefix:] for rows, prefix in zip(read_index, prefix_lens, strict=True)]
+        write_rows = [r[prefix:] for r, prefix in zip(rows, prefix_lens, strict=True)]
+
+        # One host-to-device copy for every index tensor, then views into it:
+        #   [ read rows of r0 | r1 | ... | write rows (T) | positions (T) | cu_seqlens (R + 1) ]
+        num_tokens = cu_seqlens_host[-1]
+        packed = torch.cat(
+            [*rows, *write_rows, *positions, torch.tensor(cu_seqlens_host, dtype=torch.int64)]
+        ).to(device)
+        read_index, write_index, packed_positions, cu_seqlens = packed.split(
+            [sum(seq_lens), num_tokens, num_tokens, len(cu_seqlens_host)]
         )
         return cls(
             prefix_lens=prefix_lens,
@@ -125,10 +121,9 @@ class ForwardBatch:
             page_size=page_size,
             cu_seqlens_host=cu_seqlens_host,
             cu_seqlens=cu_seqlens,
-            positions=torch.cat(positions).to(device),
+            positions=packed_positions,
             write_index=write_index,
-            read_index=tuple(read_index),
-            attn_masks=tuple(attn_masks),
+            read_index=read_index.split(seq_lens),
             last_index=cu_seqlens[1:] - 1,
         )
 
@@ -160,10 +155,3 @@ def _check_request(
             f"min {int(slots.min())}, max {int(slots.max())}"
         )
     return slots
-
-
-def _prefix_causal_mask(prefix: int, extend: int, device: torch.device) -> torch.Tensor:
-    """``[extend, prefix + extend]``: query ``j`` (position ``prefix + j``) sees keys ``0..prefix + j``."""
-    query_pos = torch.arange(prefix, prefix + extend, device=device)
-    key_pos = torch.arange(prefix + extend, device=device)
-    return key_pos[None, :] <= query_pos[:, None]

@@ -2,16 +2,16 @@
 
 The arithmetic follows transformers step for step (RMSNorm in fp32, RoPE tables in fp32 cast to the
 compute dtype, q/k RMSNorm before RoPE for Qwen3), so its logits match transformers on the same
-weights. Two differences are pure layout: the q/k/v projections and the gate/up projections are
-fused into one matmul each (``qkv_proj``, ``gate_up_proj``), and K/V live in a
-:class:`~kvstrata.pool.DevicePool` instead of a per-request cache.
+weights. The one difference is where K/V live: in a :class:`~kvstrata.pool.DevicePool` instead of
+a per-request cache. (Fusing q/k/v or gate/up into one matmul was measured: on CPU it is slower,
+because the split outputs are strided; on GPU it gains nothing at prefill sizes.)
 
 Per layer, the K/V of the packed extend tokens are written into the pool rows
 ``batch.write_index``; then each request attends over its whole sequence. A request without a
 cached prefix attends to the K/V it just computed, which are bit-for-bit the rows it just wrote (the
 pool has the model's dtype), with ``is_causal=True`` so CUDA can pick the flash kernel. A request
-with a cached prefix gathers its rows ``batch.read_index[i]`` from the pool and uses the causal mask
-that ``ForwardBatch`` built for its offset.
+with a cached prefix gathers its rows ``batch.read_index[i]`` from the pool and attends with a
+bottom-right aligned causal mask (its queries are the last positions of the sequence).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import ConfigError, RequestError
 from ..pool import DevicePool, torch_dtype
@@ -32,17 +33,18 @@ from .config import ModelConfig
 LogitsMode = Literal["last", "all"]
 
 
-def rope_inv_freq(config: ModelConfig, device: str | torch.device = "cpu") -> torch.Tensor:
-    """``[head_dim // 2]`` fp32 RoPE frequencies, with Llama-3 scaling when the config has it."""
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """``[head_dim // 2]`` fp32 RoPE frequencies on the host, with Llama-3 scaling if configured."""
     dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
-    # Wavelengths longer than the original context are stretched by `factor`, those much shorter
-    # are kept, and the band between is interpolated:
-    #   kept  |<- high_freq_wavelen  smooth  low_freq_wavelen ->|  divided by factor
+    # Llama-3 scaling by wavelength (2 pi / frequency), with context = original max positions:
+    #   wavelen < context / high_freq_factor    kept
+    #   wavelen > context / low_freq_factor     divided by factor
+    #   in between                              interpolated smoothly between the two
     context = scaling.original_max_position_embeddings
     low_freq_wavelen = context / scaling.low_freq_factor
     high_freq_wavelen = context / scaling.high_freq_factor
@@ -88,9 +90,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
-        )
+        self.q_proj = nn.Linear(config.hidden_size, self.q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm: nn.Module = nn.Identity()
         self.k_norm: nn.Module = nn.Identity()
@@ -107,10 +109,11 @@ class Attention(nn.Module):
         pool: DevicePool,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
 
         k_rows = pool.token_view("k", self.layer)
         v_rows = pool.token_view("v", self.layer)
@@ -119,45 +122,51 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q)
         starts = batch.cu_seqlens_host
-        for i, mask in enumerate(batch.attn_masks):
+        for i, prefix in enumerate(batch.prefix_lens):
             start, end = starts[i], starts[i + 1]
-            if mask is None:
-                out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None)
+            if prefix == 0:
+                out[start:end] = self._attend(q[start:end], k[start:end], v[start:end])
             else:
                 rows = batch.read_index[i]
                 out[start:end] = self._attend(
-                    q[start:end], k_rows.index_select(0, rows), v_rows.index_select(0, rows), mask
+                    q[start:end], k_rows.index_select(0, rows), v_rows.index_select(0, rows)
                 )
         return self.o_proj(out.view(num_tokens, self.q_size))
 
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``[L, heads, D]`` attention of ``L`` queries over ``S`` keys (``[S, kv_heads, D]``)."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``L`` queries (``[L, heads, D]``) over ``S >= L`` keys.
+
+        The queries hold the last ``L`` of the ``S`` positions: query ``i`` sees keys
+        ``0 .. S - L + i``. Returns ``[L, heads, D]``.
+        """
+        num_queries, num_keys = q.shape[0], k.shape[0]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        groups = self.num_heads // self.num_kv_heads
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+        gqa = self.num_heads != self.num_kv_heads
+        if num_queries == num_keys:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            # No fused CUDA kernel takes both a mask and GQA (SDPA would fall back to the math
-            # kernel and materialise [heads, L, S] scores), so share the K/V heads explicitly.
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            # is_causal aligns the mask top-left. With a cached prefix the queries are the last
+            # L of S positions, so the mask must align bottom-right (x: may attend):
+            #                keys 0 ... S-L ....... S-1
+            #     query 0         x x x x x
+            #     query L-1       x x x x x x x x x x x
+            # causal_lower_right does so, and on CUDA runs the flash kernel without an [L, S] mask.
+            mask = causal_lower_right(num_queries, num_keys)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return out[0].transpose(0, 1)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -185,9 +194,8 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder: embeddings, ``num_layers`` decoder layers, final norm and output projection.
 
-    Parameter names follow transformers minus the ``model.`` prefix, except the fused
-    ``self_attn.qkv_proj`` and ``mlp.gate_up_proj``. With tied embeddings there is no ``lm_head``:
-    the output projection reads ``embed_tokens.weight``.
+    Parameter names are transformers' without the ``model.`` prefix. With tied embeddings there is
+    no ``lm_head``: the output projection reads ``embed_tokens.weight``.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -200,8 +208,8 @@ class LlamaModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # A plain attribute, not a buffer: it stays fp32 whatever dtype the weights take, and it is
-        # real even when the module is built on the meta device.
-        self.inv_freq = rope_inv_freq(config, device="cpu")
+        # real (on the host) even when the module is built on the meta device.
+        self.inv_freq = rope_inv_freq(config)
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, state: Mapping[str, torch.Tensor]) -> LlamaModel:

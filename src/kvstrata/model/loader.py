@@ -2,13 +2,7 @@
 
 A checkpoint directory holds ``config.json`` and the weights as ``model.safetensors`` or as shards
 listed by ``model.safetensors.index.json``; it is read with ``safetensors`` alone (no transformers).
-Weights keep their transformers names until :func:`convert_hf_state` renames them and fuses the
-projections the model runs as one matmul::
-
-    model.layers.N.self_attn.{q,k,v}_proj.{weight,bias} -> layers.N.self_attn.qkv_proj.{weight,bias}
-    model.layers.N.mlp.{gate,up}_proj.weight             -> layers.N.mlp.gate_up_proj.weight
-    model.<name>                                         -> <name>
-    lm_head.weight                                       -> lm_head.weight (absent when tied)
+Our parameter names are transformers' without the ``model.`` prefix (:func:`convert_hf_state`).
 
 A preset is initialised randomly from a seeded generator, so the same seed gives the same weights on
 the same device.
@@ -106,41 +100,11 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def convert_hf_state(
     config: ModelConfig, hf_state: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Rename transformers weights to :class:`LlamaModel` names, fusing q/k/v and gate/up.
+    """Rename transformers weights to :class:`LlamaModel` names (``model.`` prefix dropped).
 
-    Entries the model does not use (``lm_head.weight`` of a tied model) are skipped.
+    Only the weights ``config`` implies are taken: ``lm_head.weight`` of a tied model is skipped.
     """
-    state = {
-        "embed_tokens.weight": hf_state["model.embed_tokens.weight"],
-        "norm.weight": hf_state["model.norm.weight"],
-    }
-    if not config.tie_word_embeddings:
-        state["lm_head.weight"] = hf_state["lm_head.weight"]
-    for i in range(config.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn, mlp = src + "self_attn.", src + "mlp."
-        state |= {
-            dst + "input_layernorm.weight": hf_state[src + "input_layernorm.weight"],
-            dst + "post_attention_layernorm.weight": hf_state[
-                src + "post_attention_layernorm.weight"
-            ],
-            dst + "self_attn.qkv_proj.weight": torch.cat(
-                [hf_state[attn + f"{p}_proj.weight"] for p in "qkv"]
-            ),
-            dst + "self_attn.o_proj.weight": hf_state[attn + "o_proj.weight"],
-            dst + "mlp.gate_up_proj.weight": torch.cat(
-                [hf_state[mlp + "gate_proj.weight"], hf_state[mlp + "up_proj.weight"]]
-            ),
-            dst + "mlp.down_proj.weight": hf_state[mlp + "down_proj.weight"],
-        }
-        if config.qkv_bias:
-            state[dst + "self_attn.qkv_proj.bias"] = torch.cat(
-                [hf_state[attn + f"{p}_proj.bias"] for p in "qkv"]
-            )
-        if config.qk_norm:
-            state[dst + "self_attn.q_norm.weight"] = hf_state[attn + "q_norm.weight"]
-            state[dst + "self_attn.k_norm.weight"] = hf_state[attn + "k_norm.weight"]
-    return state
+    return {name.removeprefix("model."): hf_state[name] for name in hf_weight_shapes(config)}
 
 
 def read_checkpoint(

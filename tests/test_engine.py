@@ -1,0 +1,167 @@
+"""The engine on top of the cache: cached answers equal uncached ones, failures stay isolated."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstrata.compute import ModelCompute, SyntheticCompute
+from kvstrata.engine import Engine, EngineConfig, Finished
+from kvstrata.errors import ConfigError
+from kvstrata.model.loader import load_model
+from kvstrata.replay import ReplayConfig, recompute_uncached, run_replay
+from kvstrata.workloads import Request, builtin
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelCompute:
+    torch.manual_seed(0)
+    _, model = load_model("tiny", device="cpu", dtype="float32", seed=0)
+    return ModelCompute(model, torch.float32)
+
+
+def run_all(engine: Engine, requests: list[Request]) -> dict[int, Finished]:
+    for r in requests:
+        engine.add(r)
+    out: dict[int, Finished] = {}
+    while engine.has_work():
+        for f in engine.step():
+            out[f.rid] = f
+    return out
+
+
+def test_cached_logits_equal_uncached_for_every_request(tiny: ModelCompute) -> None:
+    """200 requests with heavy sharing through a pool that forces eviction: every request's
+    last-token logits equal a no-cache recompute within 1e-5 and the argmax is identical."""
+    requests = builtin(tiny.vocab_size, seed=3, n_requests=200)
+    config = EngineConfig(
+        page_size=16, pool_tokens=1024, chunk_size=96, max_batch_tokens=512, check_every_step=True
+    )
+    engine = Engine(tiny, config)
+    engine.keep_logits = {r.rid for r in requests}
+    finished = run_all(engine, requests)
+
+    assert len(finished) == 200 and all(f.error is None for f in finished.values())
+    assert sum(f.cached_len for f in finished.values()) > 0.3 * sum(r.tokens.size for r in requests)
+    assert engine.tree.num_pages <= config.pool_pages
+    evicted_some = engine.allocator.num_pages < sum(-(-r.tokens.size // 16) for r in requests)
+    assert evicted_some
+    for r in requests:
+        cached = finished[r.rid].logits
+        assert cached is not None
+        fresh = recompute_uncached(tiny, config, r)
+        assert torch.allclose(cached, fresh, atol=1e-5, rtol=0), (r.rid, (cached - fresh).abs().max())
+        assert int(cached.argmax()) == int(fresh.argmax())
+
+
+def test_chunking_and_page_size_do_not_change_logits(tiny: ModelCompute) -> None:
+    request = builtin(tiny.vocab_size, n_requests=8)[-1]
+    ref = recompute_uncached(tiny, EngineConfig(page_size=16, chunk_size=4096), request)
+    for page_size, chunk in [(1, 7), (4, 33), (64, 50)]:
+        got = recompute_uncached(tiny, EngineConfig(page_size=page_size, chunk_size=chunk), request)
+        assert torch.allclose(got, ref, atol=1e-5, rtol=0)
+
+
+def test_repeated_identical_prompt_hits_and_does_not_grow_pool(tiny: ModelCompute) -> None:
+    tokens = np.arange(1, 41, dtype=np.uint32)  # 40 tokens: 2 full pages + a valid tail
+    engine = Engine(tiny, EngineConfig(page_size=16, pool_tokens=256))
+    first = run_all(engine, [Request(0, tokens)])[0]
+    assert first.cached_len == 0
+    used = engine.allocator.num_used
+    for i in range(1, 6):
+        again = run_all(engine, [Request(i, tokens)])[i]
+        assert again.cached_len == 32  # whole pages only; the tail page is recomputed
+        assert engine.allocator.num_used == used
+    engine.check()
+
+
+def test_full_page_multiple_hit_recomputes_last_page(tiny: ModelCompute) -> None:
+    tokens = np.arange(5, 5 + 48, dtype=np.uint32)  # exactly 3 pages
+    engine = Engine(tiny, EngineConfig(page_size=16, pool_tokens=256))
+    engine.keep_logits = {0, 1}
+    a = run_all(engine, [Request(0, tokens)])[0]
+    b = run_all(engine, [Request(1, tokens)])[1]
+    assert b.cached_len == 32 and b.computed_len == 16
+    assert a.logits is not None and b.logits is not None
+    assert torch.allclose(a.logits, b.logits, atol=1e-5, rtol=0)
+    engine.check()
+
+
+def test_request_that_cannot_fit_fails_alone(tiny: ModelCompute) -> None:
+    ok1 = Request(0, np.arange(10, 60, dtype=np.uint32))
+    huge = Request(1, np.arange(0, 300, dtype=np.uint32) % 500)
+    ok2 = Request(2, np.arange(20, 90, dtype=np.uint32))
+    engine = Engine(tiny, EngineConfig(page_size=16, pool_tokens=128))
+    out = run_all(engine, [ok1, huge, ok2])
+    assert out[1].error is not None and "pool" in out[1].error
+    assert out[0].error is None and out[2].error is None
+    engine.check()
+
+
+def test_out_of_vocab_and_too_long_requests_fail_alone(tiny: ModelCompute) -> None:
+    bad_vocab = Request(0, np.array([1, 2, tiny.vocab_size], dtype=np.uint32))
+    good = Request(1, np.arange(1, 20, dtype=np.uint32))
+    out = run_all(Engine(tiny, EngineConfig(pool_tokens=256)), [bad_vocab, good])
+    assert out[0].error is not None and "vocabulary" in out[0].error
+    assert out[1].error is None
+
+
+def test_waiting_for_pages_does_not_fail(tiny: ModelCompute) -> None:
+    """Two requests that each fit alone but not together: the second waits, then runs."""
+    a = Request(0, np.arange(1, 100, dtype=np.uint32))
+    b = Request(1, np.arange(200, 300, dtype=np.uint32))
+    engine = Engine(tiny, EngineConfig(page_size=16, pool_tokens=112, chunk_size=32))
+    out = run_all(engine, [a, b])
+    assert out[0].error is None and out[1].error is None
+    engine.check()
+
+
+def test_model_none_hit_ratio_equals_model_mode(tiny: ModelCompute) -> None:
+    requests = builtin(tiny.vocab_size, seed=1, n_requests=60)
+    config = EngineConfig(page_size=16, pool_tokens=1024, chunk_size=64, max_batch_tokens=256)
+    model_run = run_all(Engine(tiny, config), requests)
+    none_run = run_all(Engine(SyntheticCompute(32, tiny.vocab_size), config), requests)
+    for r in requests:
+        assert model_run[r.rid].cached_len == none_run[r.rid].cached_len
+
+
+def test_synthetic_payload_served_from_cache_is_exact() -> None:
+    cfg = ReplayConfig(
+        workload="builtin",
+        model="none",
+        vocab_size=512,
+        kv_width=16,
+        verify=48,
+        engine=EngineConfig(page_size=8, pool_tokens=1024),
+    )
+    summary = run_replay(cfg, progress=False)
+    assert summary.hit_ratio > 0.3
+    assert summary.verify.requests == 48
+    assert summary.verify.payload_mismatched_bytes == 0
+
+
+def test_replay_verify_reports_agreement() -> None:
+    summary = run_replay(ReplayConfig(verify=5, engine=EngineConfig(pool_tokens=2048)), progress=False)
+    assert summary.verify.requests == 5
+    assert summary.verify.max_abs_logit_diff is not None and summary.verify.max_abs_logit_diff < 1e-4
+    assert summary.verify.argmax_agree == 1.0
+    data = summary.to_json()
+    assert data["hit_tokens_by_tier"]["l1"] == data["cached_tokens"] > 0
+    assert set(data["ttft_ms"]) == {"p50", "p90", "p99"}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"page_size": 0},
+        {"pool_tokens": 0},
+        {"chunk_size": 0},
+        {"max_batch_tokens": -1},
+        {"eviction": "fifo"},
+        {"page_size": 64, "pool_tokens": 32},
+    ],
+)
+def test_bad_engine_config(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        EngineConfig(**kwargs)  # type: ignore[arg-type]
