@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-echo "== ruff"; ruff check src tests bench; ruff format --check src tests bench
+echo "== ruff"; ruff check src tests; ruff format --check src tests
 echo "== mypy"; mypy
 echo "== pytest"
 set +e

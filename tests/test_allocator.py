@@ -163,11 +163,6 @@ def test_free_nothing_is_a_no_op() -> None:
     assert alloc.digest() == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with cp_size=1 alloc_pages_with_owners skips the owner range check and hands "
-    "owner 1 a page of lane 0 (allocator.py:81-86); cp_size>1 raises AllocatorError",
-)
 def test_out_of_range_owner_is_rejected_for_cp_size_1() -> None:
     alloc = PageAllocator(PoolConfig(4, 1))
     with pytest.raises(AllocatorError):
@@ -180,12 +175,6 @@ def test_out_of_range_owner_is_rejected_for_cp_size_2() -> None:
         alloc.alloc_pages_with_owners(pages(0, 2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a negative owner reaches np.bincount and raises a bare ValueError, not "
-    "AllocatorError (allocator.py:88); deficit() with an owner >= cp_size raises a numpy "
-    "broadcast ValueError (allocator.py:64-67)",
-)
 def test_negative_or_large_owner_gets_a_typed_error() -> None:
     alloc = PageAllocator(PoolConfig(4, 2))
     with pytest.raises(AllocatorError):

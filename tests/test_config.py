@@ -104,11 +104,6 @@ def test_pool_config_slots_per_rank(num_pages: int, cp_size: int, slots: int) ->
     assert PoolConfig(num_pages=num_pages, cp_size=cp_size).slots_per_rank == slots
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: PoolConfig accepts num_pages=True (a bool is an int and True >= cp_size=1), "
-    "while CacheConfig rejects bools through _positive (config.py:126)",
-)
 def test_pool_config_rejects_bool_num_pages() -> None:
     with pytest.raises(ConfigError):
         PoolConfig(num_pages=True)

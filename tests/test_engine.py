@@ -51,7 +51,10 @@ def test_cached_logits_equal_uncached_for_every_request(tiny: ModelCompute) -> N
         cached = finished[r.rid].logits
         assert cached is not None
         fresh = recompute_uncached(tiny, config, r)
-        assert torch.allclose(cached, fresh, atol=1e-5, rtol=0), (r.rid, (cached - fresh).abs().max())
+        assert torch.allclose(cached, fresh, atol=1e-5, rtol=0), (
+            r.rid,
+            (cached - fresh).abs().max(),
+        )
         assert int(cached.argmax()) == int(fresh.argmax())
 
 
@@ -142,9 +145,13 @@ def test_synthetic_payload_served_from_cache_is_exact() -> None:
 
 
 def test_replay_verify_reports_agreement() -> None:
-    summary = run_replay(ReplayConfig(verify=5, engine=EngineConfig(pool_tokens=2048)), progress=False)
+    summary = run_replay(
+        ReplayConfig(verify=5, engine=EngineConfig(pool_tokens=2048)), progress=False
+    )
     assert summary.verify.requests == 5
-    assert summary.verify.max_abs_logit_diff is not None and summary.verify.max_abs_logit_diff < 1e-4
+    assert (
+        summary.verify.max_abs_logit_diff is not None and summary.verify.max_abs_logit_diff < 1e-4
+    )
     assert summary.verify.argmax_agree == 1.0
     data = summary.to_json()
     assert data["hit_tokens_by_tier"]["l1"] == data["cached_tokens"] > 0

@@ -84,11 +84,6 @@ def test_negative_position_is_a_config_error() -> None:
         owner(-1, 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: lane/slot/logical_page do not validate cp_size: lane(5, 0) raises "
-    "ZeroDivisionError and lane(np.array([5]), 0) silently returns 0 (ownership.py:45-57)",
-)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("fn", [lane, slot])
 def test_lane_and_slot_reject_bad_cp_size(fn: object) -> None:
@@ -97,11 +92,6 @@ def test_lane_and_slot_reject_bad_cp_size(fn: object) -> None:
         fn(np.array([5], dtype=np.int64), 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: owners() accepts a negative start_position and wraps it (owners(-1, 3, 2) == "
-    "[1, 0, 1]) while owner(-1, 2) raises ConfigError (ownership.py:39-42)",
-)
 def test_owners_rejects_negative_start_like_owner() -> None:
     with pytest.raises(ConfigError):
         owners(-1, 3, 2)

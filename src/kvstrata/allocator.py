@@ -63,7 +63,7 @@ class PageAllocator:
 
     def deficit(self, owners: IntArray) -> IntArray:
         """Per lane, how many more pages ``alloc_pages_with_owners(owners)`` needs than are free."""
-        need = np.bincount(owners, minlength=self.cp_size)
+        need = self._lane_counts(owners)
         return np.maximum(need - self._tops, 0)
 
     def is_free(self, pages: IntArray) -> npt.NDArray[np.bool_]:
@@ -78,38 +78,37 @@ class PageAllocator:
         k = owners.size
         if k == 0:
             return np.empty(0, dtype=np.int64)
+        need = self._lane_counts(owners)
+        if np.any(need > self._tops):
+            return None
         if self.cp_size == 1:
-            top = int(self._tops[0])
-            if k > top:
-                return None
-            out = self._stacks[0, top - k : top][::-1].copy()
-            self._tops[0] = top - k
-        else:
-            need = np.bincount(owners, minlength=self.cp_size)
-            if need.size > self.cp_size:
-                raise AllocatorError(
-                    f"owner {int(owners.max())} is outside [0, {self.cp_size}) for cp_size={self.cp_size}"
-                )
-            if np.any(need > self._tops):
-                return None
-            out = np.empty(k, dtype=np.int64)
-            for lane in np.flatnonzero(need):
-                c, top = int(need[lane]), int(self._tops[lane])
-                out[owners == lane] = self._stacks[lane, top - c : top][::-1]
-                self._tops[lane] = top - c
+            return self._pop(0, k)
+        out = np.empty(k, dtype=np.int64)
+        for lane in np.flatnonzero(need):
+            out[owners == lane] = self._pop(int(lane), int(need[lane]))
+        return out
+
+    def _lane_counts(self, owners: IntArray) -> IntArray:
+        """Pages wanted per lane; owners outside ``[0, cp_size)`` are a contract violation."""
+        if owners.size and (int(owners.min()) < 0 or int(owners.max()) >= self.cp_size):
+            bad = int(owners.min()) if int(owners.min()) < 0 else int(owners.max())
+            raise AllocatorError(
+                f"owner {bad} is outside [0, {self.cp_size}) for cp_size={self.cp_size}"
+            )
+        return np.bincount(owners, minlength=self.cp_size)
+
+    def _pop(self, lane: int, k: int) -> IntArray:
+        """Take the ``k`` pages on top of ``lane``'s stack (the caller checked they exist)."""
+        top = int(self._tops[lane])
+        out = self._stacks[lane, top - k : top][::-1].copy()
+        self._tops[lane] = top - k
         self._free[out] = False
         return out
 
     def alloc(self, start_position: int, num_pages: int) -> IntArray | None:
         """Pages for sequence positions ``start_position .. start_position + num_pages - 1``."""
         if self.cp_size == 1:  # one lane: the owners are all 0, no need to spell them out
-            top = int(self._tops[0])
-            if num_pages > top:
-                return None
-            out = self._stacks[0, top - num_pages : top][::-1].copy()
-            self._tops[0] = top - num_pages
-            self._free[out] = False
-            return out
+            return self._pop(0, num_pages) if num_pages <= self._tops[0] else None
         owners = (
             np.arange(start_position, start_position + num_pages, dtype=np.int64) % self.cp_size
         )

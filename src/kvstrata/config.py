@@ -123,7 +123,11 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         _positive("cp_size", self.cp_size)
-        if not isinstance(self.num_pages, int) or self.num_pages < self.cp_size:
+        if (
+            isinstance(self.num_pages, bool)
+            or not isinstance(self.num_pages, int)
+            or self.num_pages < self.cp_size
+        ):
             raise ConfigError(
                 f"a pool of {self.num_pages!r} pages cannot hold one page per lane with "
                 f"cp_size={self.cp_size}; give it at least {self.cp_size} pages "

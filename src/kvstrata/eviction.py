@@ -11,7 +11,7 @@ wall-clock time, and the node id breaks every tie, so all ranks evict in the sam
   protected one.
 
 Priorities may only grow while a node sits in the tree's heap (the clock only moves forward); a
-policy that lowers one (a demotion) returns that node from :meth:`on_hit` so the tree re-queues it.
+policy that lowers one (a demotion) returns that node from :meth:`on_access` so the tree re-queues it.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ PROTECTED = 1
 
 class EvictionPolicy(Protocol):
     name: str
-    tracks_hits: bool  # whether on_hit must be called (LRU needs no per-hit bookkeeping)
+    tracks_access: bool  # whether on_access must be called (LRU needs no per-access bookkeeping)
 
     def priority(self, node: Node) -> Priority: ...
 
-    def on_hit(self, node: Node) -> list[Node]:
-        """Called after a match raised ``node.hit_count``; returns nodes whose priority dropped."""
+    def on_access(self, node: Node, hit: bool) -> list[Node]:
+        """Called after ``node.last_access`` moved (and, when ``hit``, ``node.hit_count`` grew);
+        returns the nodes whose priority dropped."""
         ...
 
     def on_split(self, upper: Node, lower: Node) -> None: ...
@@ -49,12 +50,12 @@ class LRUPolicy:
     """Least recently used on the logical clock; node id breaks ties."""
 
     name = "lru"
-    tracks_hits = False
+    tracks_access = False
 
     def priority(self, node: Node) -> Priority:
         return (PROBATION, node.last_access, node.id)
 
-    def on_hit(self, node: Node) -> list[Node]:
+    def on_access(self, node: Node, hit: bool) -> list[Node]:
         return []
 
     def on_split(self, upper: Node, lower: Node) -> None:
@@ -68,7 +69,7 @@ class SLRUPolicy:
     """Segmented LRU with a protected segment capped at ``cap_pages`` pages."""
 
     name = "slru"
-    tracks_hits = True
+    tracks_access = True
 
     def __init__(self, cap_pages: int) -> None:
         self.cap_pages = cap_pages
@@ -80,9 +81,9 @@ class SLRUPolicy:
     def priority(self, node: Node) -> Priority:
         return (node.segment, node.last_access, node.id)
 
-    def on_hit(self, node: Node) -> list[Node]:
+    def on_access(self, node: Node, hit: bool) -> list[Node]:
         if node.segment == PROBATION:
-            if node.hit_count < 2:
+            if not hit or node.hit_count < 2:
                 return []
             node.segment = PROTECTED
             self.protected_pages += node.pages.size

@@ -24,7 +24,7 @@ IntArray = npt.NDArray[np.int64]
 
 
 def _check_cp(cp_size: int) -> None:
-    if cp_size < 1:
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ConfigError(f"cp_size must be >= 1, got {cp_size}")
 
 
@@ -39,21 +39,28 @@ def owner(position: int, cp_size: int) -> int:
 def owners(start_position: int, num_pages: int, cp_size: int) -> IntArray:
     """Owners of ``num_pages`` consecutive sequence pages starting at ``start_position``."""
     _check_cp(cp_size)
+    if start_position < 0 or num_pages < 0:
+        raise ConfigError(
+            f"page positions must be >= 0, got start {start_position} and count {num_pages}"
+        )
     return np.arange(start_position, start_position + num_pages, dtype=np.int64) % cp_size
 
 
 def lane(logical_page: int | IntArray, cp_size: int) -> int | IntArray:
     """The owner rank (lane) of a logical page: pages are striped round-robin over lanes."""
+    _check_cp(cp_size)
     return logical_page % cp_size
 
 
 def slot(logical_page: int | IntArray, cp_size: int) -> int | IntArray:
     """The rank-local slot that stores a logical page on its owner."""
+    _check_cp(cp_size)
     return logical_page // cp_size
 
 
-def logical_page(rank: int, local_slot: int | IntArray, cp_size: int) -> int | IntArray:
+def logical_page(rank: int | IntArray, local_slot: int | IntArray, cp_size: int) -> int | IntArray:
     """Inverse of (lane, slot): the logical page stored in ``local_slot`` of ``rank``."""
+    _check_cp(cp_size)
     return local_slot * cp_size + rank
 
 

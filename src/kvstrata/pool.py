@@ -64,12 +64,14 @@ class DevicePool:
 
     def buffer(self, payload: str, layer: int) -> torch.Tensor:
         """The ``[num_slots, page_size, *token_shape]`` tensor of ``payload`` in ``layer``."""
-        try:
-            return self._buffers[payload][layer]
-        except KeyError:
+        layers = self._buffers.get(payload)
+        if layers is None:
             raise ConfigError(
                 f"no payload {payload!r} in this pool; it has {sorted(self._buffers)}"
-            ) from None
+            )
+        if not 0 <= layer < len(layers):
+            raise ConfigError(f"layer {layer} is outside [0, {len(layers)}) for this pool")
+        return layers[layer]
 
     def token_view(self, payload: str, layer: int) -> torch.Tensor:
         """The same storage viewed as ``[num_slots * page_size, *token_shape]`` (token rows)."""

@@ -158,7 +158,6 @@ class RadixTree:
         self.clock = 0
         self._next_id = 1
         self.root = Node(0, None, 0, 0, 0, 0, _EMPTY_TOKENS, _EMPTY_KEYS, _EMPTY_PAGES, 0)
-        self.root.lock_ref = 1  # the root is never evicted
         self.num_pages = 0
         self.num_tokens = 0
         self.num_nodes = 0
@@ -199,10 +198,7 @@ class RadixTree:
         for node in path:
             node.last_access = clock
             node.hit_count += 1
-        if self.policy.tracks_hits:
-            for node in path:
-                for demoted in self.policy.on_hit(node):
-                    self._push_if_evictable(demoted)
+        self._notify_access(path, hit=True)
         if not path:
             return MatchResult(0, _EMPTY_PAGES, self.root)
         last = path[-1]
@@ -300,7 +296,7 @@ class RadixTree:
             raise ConfigError(
                 f"insert of {n} tokens needs {num_pages} pages (page_size {P}), got shape {pages.shape}"
             )
-        if cached_len % P or cached_len > n:
+        if cached_len < 0 or cached_len % P or cached_len > n:
             raise ConfigError(
                 f"cached_len must be a page-aligned length <= {n}, got {cached_len} (page_size {P})"
             )
@@ -313,6 +309,7 @@ class RadixTree:
         self.clock += 1
         for node in path:
             node.last_access = self.clock
+        self._notify_access(path, hit=False)
         node = path[-1] if path else self.root
         kept = m  # caller pages up to here are covered by the tree's own pages
         prefix_len = m * P
@@ -322,20 +319,37 @@ class RadixTree:
                 if rest_is_tail and node.end == n and self._same_tokens(node, key, m * P, n):
                     kept, prefix_len = num_pages, n  # duplicate valid tail
                 else:
-                    node = self._new_leaf(self._split(node, m * P), key, m, pages)
+                    upper = self._split(node, m * P)
+                    if self._child_key(key, m) in upper.children:
+                        self.hash_collisions += 1  # the new page's key equals the split-off part's
+                        node, kept = upper, num_pages
+                    else:
+                        node = self._new_leaf(upper, key, m, pages)
             else:
-                child_key = key.end_key if rest_is_tail else int(key.page_keys[m])
-                twin = node.children.get(child_key)
+                twin = node.children.get(self._child_key(key, m))
                 if twin is None:
                     node = self._new_leaf(node, key, m, pages)
                 elif rest_is_tail and twin.end == n and self._same_tokens(twin, key, m * P, n):
                     twin.last_access = self.clock
+                    self._notify_access([twin], hit=False)
                     node, kept, prefix_len = twin, num_pages, n  # duplicate valid tail
                 else:
                     self.hash_collisions += 1  # a different page under an equal key: keep none
                     kept = num_pages
         free_pages = pages[cached_len // P : kept].copy()
         return InsertResult(prefix_len, free_pages, node)
+
+    def _notify_access(self, nodes: list[Node], hit: bool) -> None:
+        if self.policy.tracks_access:
+            for node in nodes:
+                for demoted in self.policy.on_access(node, hit):
+                    self._push_if_evictable(demoted)
+
+    def _child_key(self, key: TokenKey, m: int) -> int:
+        """The key a child holding ``key``'s tokens from page ``m`` on is registered under."""
+        return (
+            key.end_key if len(key) - m * self.page_size < self.page_size else key.page_keys.item(m)
+        )
 
     @staticmethod
     def _same_tokens(node: Node, key: TokenKey, lo: int, hi: int) -> bool:
@@ -345,7 +359,7 @@ class RadixTree:
         self._version += 1
         P, n = self.page_size, len(key)
         start = m * P
-        first_key = key.end_key if n - start < P else int(key.page_keys[m])
+        first_key = self._child_key(key, m)
         leaf = Node(
             self._next_id,
             parent,
@@ -422,7 +436,7 @@ class RadixTree:
     # -- eviction --------------------------------------------------------------------------------
 
     def _push_if_evictable(self, node: Node) -> None:
-        if not node.children and node.lock_ref == 0 and not node.dead:
+        if not node.children and node.lock_ref == 0 and not node.dead and node is not self.root:
             heapq.heappush(self._heap, (self.policy.priority(node), node))
 
     def evict(self, num_pages: int) -> IntArray:

@@ -275,7 +275,7 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=2,
         head_dim=32,
         rope_theta=10000.0,
-        max_position_embeddings=4096,
+        max_position_embeddings=131072,
     ),
     "tiny-qwen2": ModelConfig(
         architecture="qwen2",
@@ -289,7 +289,7 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=1000000.0,
         tie_word_embeddings=True,
         qkv_bias=True,
-        max_position_embeddings=4096,
+        max_position_embeddings=131072,
     ),
     "tiny-qwen3": ModelConfig(
         architecture="qwen3",
@@ -302,7 +302,7 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=32,
         rope_theta=1000000.0,
         qk_norm=True,
-        max_position_embeddings=4096,
+        max_position_embeddings=131072,
     ),
     # Big enough that a CPU prefill of 1k tokens is dominated by matmuls and attention, not Python.
     "small": ModelConfig(
@@ -315,7 +315,7 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=2,
         head_dim=64,
         rope_theta=500000.0,
-        max_position_embeddings=8192,
+        max_position_embeddings=131072,
     ),
     "llama-3.2-1b": ModelConfig(
         architecture="llama",

@@ -5,8 +5,8 @@ transformers into its cache) and the logits of the last token only. The transfor
 ``attn_implementation="sdpa"`` and ``logits_to_keep=1``. Output: a table, then one JSON object on the
 last line.
 
-    python bench/prefill.py --device cpu        # preset small, float32, 1024 tokens
-    python bench/prefill.py --preset llama-3.2-1b --device cuda --lengths 1024 8192 32768
+    kvstrata bench prefill --device cpu        # preset small, float32, 1024 tokens
+    kvstrata bench prefill --preset llama-3.2-1b --device cuda --lengths 1024 8192 32768
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 import torch
 import transformers
 
-from kvstrata.model import PRESETS, ForwardBatch, LlamaModel, ModelConfig, convert_hf_state
-from kvstrata.pool import DevicePool
+from ..model import PRESETS, ForwardBatch, LlamaModel, ModelConfig, convert_hf_state
+from ..pool import DevicePool
 
 
 @dataclass(frozen=True, slots=True)
