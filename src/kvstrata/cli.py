@@ -51,7 +51,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         "--pool-tokens",
         dest="l1_tokens",
         type=int,
-        default=65_536,
+        default=262_144,
         help="device pool (L1) size in tokens",
     )
     p.add_argument(

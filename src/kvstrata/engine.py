@@ -45,7 +45,7 @@ class EngineConfig:
     """Engine sizes. ``pool_tokens`` is the L1 device pool, in tokens (whole pages)."""
 
     page_size: int = 16
-    pool_tokens: int = 65_536
+    pool_tokens: int = 262_144
     chunk_size: int = 2_048
     max_batch_tokens: int = 8_192
     max_batch_requests: int = 64

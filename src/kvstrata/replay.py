@@ -212,7 +212,7 @@ def run_replay(
     return ReplaySummary(
         requests=len(finished),
         failed=len(finished) - len(ok),
-        prompt_tokens=sum(f.prompt_len for f in finished),
+        prompt_tokens=sum(f.prompt_len for f in ok),
         cached_tokens=sum(f.cached_len for f in ok),
         computed_tokens=sum(f.computed_len for f in ok),
         seconds=seconds,
