@@ -208,7 +208,7 @@ def run_replay(
 
     ok = [f for f in finished if f.error is None]
     by_rid = {r.rid: r for r in requests}
-    verify = _verify(cfg, compute, [f for f in ok if f.rid in engine.keep_logits], by_rid)
+    verify = _verify(cfg, compute, [f for f in ok if f.rid in engine.keep_logits], by_rid, progress)
     return ReplaySummary(
         requests=len(finished),
         failed=len(finished) - len(ok),
@@ -257,7 +257,11 @@ def recompute_uncached(compute: Compute, config: EngineConfig, request: Request)
 
 
 def _verify(
-    cfg: ReplayConfig, compute: Compute, sampled: list[Finished], requests: dict[int, Request]
+    cfg: ReplayConfig,
+    compute: Compute,
+    sampled: list[Finished],
+    requests: dict[int, Request],
+    progress: bool,
 ) -> VerifyReport:
     """Recompute each sampled request with an empty cache and compare with the cached run."""
     report = VerifyReport(requests=len(sampled))
@@ -273,7 +277,7 @@ def _verify(
         report.payload_mismatched_bytes = mismatched
         return report
     max_diff, agree = 0.0, 0
-    for f in tqdm(sampled, desc="verify", unit="req", leave=False):
+    for f in tqdm(sampled, desc="verify", unit="req", leave=False, disable=not progress):
         fresh = recompute_uncached(compute, cfg.engine, requests[f.rid])
         assert f.logits is not None
         max_diff = max(max_diff, float((fresh - f.logits).abs().max()))

@@ -140,7 +140,9 @@ _DEFAULTS = {
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark for command-line arguments ``argv``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="kvstrata bench prefill", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="kvstrata bench prefill", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--preset", choices=sorted(PRESETS), help="default: small on CPU, llama-3.2-1b on CUDA"
