@@ -56,16 +56,6 @@ def serve(
     return match
 
 
-def live_nodes(tree: RadixTree) -> list[Node]:
-    out: list[Node] = []
-    stack = list(tree.root.children.values())
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        stack.extend(node.children.values())
-    return out
-
-
 def path_of(result: MatchResult) -> list[Node]:
     """The nodes a match walked through, root side first."""
     if result.valid_len == 0:
@@ -79,7 +69,7 @@ def path_of(result: MatchResult) -> list[Node]:
 
 
 def brute_force_order(tree: RadixTree) -> list[Node]:
-    nodes = live_nodes(tree)
+    nodes = tree.nodes()
     children = {n.id: len(n.children) for n in nodes}
     gone: set[int] = set()
     order: list[Node] = []
@@ -96,7 +86,7 @@ def brute_force_order(tree: RadixTree) -> list[Node]:
 
 
 def evictable_leaves(tree: RadixTree) -> list[Node]:
-    return [n for n in live_nodes(tree) if not n.children and n.lock_ref == 0]
+    return [n for n in tree.nodes() if not n.children and n.lock_ref == 0]
 
 
 class SegmentModel:
@@ -119,7 +109,7 @@ class SegmentModel:
     def sync_structure(self, tree: RadixTree) -> None:
         """Register nodes an insert created (a split's upper half inherits its lower half's
         segment; a new leaf is probationary) and drop evicted ones."""
-        alive = {n.id: n for n in live_nodes(tree)}
+        alive = {n.id: n for n in tree.nodes()}
         for i in [i for i in self.seg if i not in alive]:
             del self.seg[i]
             del self.nodes[i]
@@ -147,7 +137,7 @@ class SegmentModel:
 
 def check_segments(tree: RadixTree) -> None:
     policy = tree.policy
-    nodes = live_nodes(tree)
+    nodes = tree.nodes()
     if isinstance(policy, SLRUPolicy):
         protected = [n for n in nodes if n.segment == PROTECTED]
         assert policy.protected_pages == sum(n.pages.size for n in protected)
@@ -199,7 +189,7 @@ def build_random_tree(
                 locks.append(match.last_node)
         if model is not None:
             model.sync_structure(tree)
-            assert {n.id: n.segment for n in live_nodes(tree)} == model.seg
+            assert {n.id: n.segment for n in tree.nodes()} == model.seg
         tree.check()
         check_segments(tree)
     return tree, alloc, locks
@@ -214,7 +204,7 @@ def assert_eviction_follows_the_brute_force(
     evicted: list[Node] = []
     while True:
         leaves = evictable_leaves(tree)
-        alive_before = {n.id: n for n in live_nodes(tree)}
+        alive_before = {n.id: n for n in tree.nodes()}
         segments_before = {n.id: n.segment for n in leaves}
         freed = tree.evict(1)
         if freed.size == 0:
@@ -233,7 +223,7 @@ def assert_eviction_follows_the_brute_force(
         tree.check()
         check_segments(tree)
     assert [n.id for n in evicted] == [n.id for n in expected]
-    survivors = {n.id for n in live_nodes(tree)}
+    survivors = {n.id for n in tree.nodes()}
     for node in locks:
         assert not node.dead
         cur: Node | None = node
@@ -404,7 +394,7 @@ def test_slru_lazy_heap_is_compacted_without_changing_segments() -> None:
         match = tree.match_prefix(seq)
         model.sync_structure(tree)
         model.on_match(path_of(match))
-        assert {n.id: n.segment for n in live_nodes(tree)} == model.seg
+        assert {n.id: n.segment for n in tree.nodes()} == model.seg
         check_segments(tree)
     assert len(policy._lru) <= 4 * max(64, policy.protected_pages) + 1
     tree.check()

@@ -86,22 +86,12 @@ def serve(tree: RadixTree, alloc: PageAllocator, tokens: object) -> MatchResult 
     return match
 
 
-def live_nodes(tree: RadixTree) -> list[Node]:
-    out: list[Node] = []
-    stack = list(tree.root.children.values())
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        stack.extend(node.children.values())
-    return out
-
-
 def tree_contents(tree: RadixTree) -> tuple[dict[Prefix, int], dict[Prefix, int]]:
     """What the tree holds, as (whole-page prefix -> page, tail-ended sequence -> tail page)."""
     P = tree.page_size
     full: dict[Prefix, int] = {}
     tails: dict[Prefix, int] = {}
-    for node in live_nodes(tree):
+    for node in tree.nodes():
         path = node.seq[: node.end].tolist()
         for i, page in enumerate(node.pages.tolist()):
             hi = node.start + (i + 1) * P
@@ -302,7 +292,7 @@ def run_random_ops(
                 assert tree.eviction_order() == []
             if want == HUGE:
                 expected_alive = {id(a) for node, _, _ in locks for a in ancestors(node)}
-                assert {id(n) for n in live_nodes(tree)} == expected_alive
+                assert {id(n) for n in tree.nodes()} == expected_alive
                 # A lock pins exactly the pages its match returned, not a node's unmatched rest.
                 pinned = {
                     page
@@ -381,7 +371,7 @@ def test_a_valid_tail_is_never_extended(page_size: int) -> None:
     # The short sequence's tail page is untouched and now sits beside the longer sequence.
     full, tails = tree_contents(tree)
     assert tails[tuple(short)] == int(short_pages[1])
-    tail_holder = next(n for n in live_nodes(tree) if int(short_pages[1]) in n.pages.tolist())
+    tail_holder = next(n for n in tree.nodes() if int(short_pages[1]) in n.pages.tolist())
     assert tail_holder.end == len(short) and not tail_holder.children
     assert tail_holder.parent is result.node.parent
     assert tail_holder.parent is not None and tail_holder.parent.end == P
@@ -476,7 +466,7 @@ def test_locked_node_and_its_ancestors_survive_evict() -> None:
     freed = tree.evict(HUGE)
     alloc.free(freed)
     tree.check()
-    alive = live_nodes(tree)
+    alive = tree.nodes()
     assert {id(n) for n in alive} == {id(n) for n in ancestors(match.last_node)}
     assert tree.match_prefix([*base, 4, 4, 4, 4]).device_pages.tolist() == (
         match.device_pages.tolist()

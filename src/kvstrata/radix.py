@@ -468,7 +468,7 @@ class RadixTree:
         gone: set[int] = set()
         heap = list(self._heap)
         heapq.heapify(heap)
-        remaining = {n.id: len(n.children) for n in self._iter_nodes()}
+        remaining = {n.id: len(n.children) for n in self.nodes()}
         while heap:
             prio, node = heapq.heappop(heap)
             if node.dead or node.id in gone or remaining[node.id] or node.lock_ref:
@@ -504,15 +504,13 @@ class RadixTree:
 
     def _rebuild_heap(self) -> None:
         self._heap = [
-            (self.policy.priority(n), n)
-            for n in self._iter_nodes()
-            if not n.children and n.lock_ref == 0
+            (self.policy.priority(n), n) for n in self.nodes() if not n.children and n.lock_ref == 0
         ]
         heapq.heapify(self._heap)
 
     # -- inspection ------------------------------------------------------------------------------
 
-    def _iter_nodes(self) -> list[Node]:
+    def nodes(self) -> list[Node]:
         """Every non-root node, parents before children, in a deterministic order."""
         out: list[Node] = []
         stack = list(reversed(self.root.children.values()))
@@ -526,7 +524,7 @@ class RadixTree:
         """SHA-256 over the tree's full replicated state (structure, pages, locks, clock, stats)."""
         h = hashlib.sha256()
         h.update(np.array([self.clock, self.num_pages, self.num_tokens], dtype=np.int64).tobytes())
-        for n in self._iter_nodes():
+        for n in self.nodes():
             assert n.parent is not None
             h.update(
                 np.array(
@@ -551,7 +549,7 @@ class RadixTree:
         P = self.page_size
         seen_pages: list[IntArray] = []
         num_pages = num_tokens = 0
-        nodes = self._iter_nodes()
+        nodes = self.nodes()
         for n in nodes:
             parent = n.parent
 
