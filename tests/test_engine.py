@@ -172,3 +172,26 @@ def test_replay_verify_reports_agreement() -> None:
 def test_bad_engine_config(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         EngineConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_all_token_logits_on_request(tiny: ModelCompute) -> None:
+    """All-token logits of the computed part equal the one-shot forward's, across chunks and a hit."""
+    base = np.arange(3, 3 + 70, dtype=np.uint32)
+    longer = np.concatenate([base, np.arange(100, 131, dtype=np.uint32)])
+    engine = Engine(tiny, EngineConfig(page_size=16, pool_tokens=512, chunk_size=24))
+    engine.keep_all_logits = {0, 1}
+    engine.keep_logits = {1}
+    out = run_all(engine, [Request(0, base)])
+    out |= run_all(engine, [Request(1, longer)])
+    first, second = out[0], out[1]
+    assert first.all_logits is not None and first.all_logits.shape == (70, tiny.vocab_size)
+    assert second.cached_len == 64 and second.all_logits is not None
+    assert second.all_logits.shape == (longer.size - 64, tiny.vocab_size)
+    assert second.logits is not None and torch.equal(second.logits, second.all_logits[-1])
+
+    solo = Engine(tiny, EngineConfig(page_size=16, pool_tokens=512, chunk_size=4096))
+    solo.keep_all_logits = {9}
+    ref = run_all(solo, [Request(9, longer)])[9].all_logits
+    assert ref is not None
+    assert torch.allclose(second.all_logits, ref[64:], atol=1e-5, rtol=0)
+    assert torch.allclose(first.all_logits, ref[:70], atol=1e-5, rtol=0)

@@ -30,9 +30,14 @@ class Compute(Protocol):
     max_seq_len: int  # the longest sequence it can compute (the model's positions)
 
     def forward(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, pool: DevicePool
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DevicePool,
+        all_logits: bool = False,
     ) -> torch.Tensor | None:
-        """Write the batch's KV; return ``[num_requests, vocab]`` last-token logits, or None."""
+        """Write the batch's KV; return ``[num_requests, vocab]`` last-token logits (``[T, vocab]``
+        for every packed token with ``all_logits``), or None without a model."""
         ...
 
     def snapshot(
@@ -53,9 +58,13 @@ class ModelCompute:
         self.max_seq_len = model.config.max_position_embeddings
 
     def forward(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, pool: DevicePool
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DevicePool,
+        all_logits: bool = False,
     ) -> torch.Tensor:
-        return self.model(input_ids, batch, pool, logits="last")
+        return self.model(input_ids, batch, pool, logits="all" if all_logits else "last")
 
     def snapshot(self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int) -> None:
         return None
@@ -87,7 +96,13 @@ class SyntheticCompute:
         self.max_seq_len = 1 << 31
         self.layout = KVLayout(num_layers=1, payloads=(PayloadSpec("kv", (kv_width,), "uint8"),))
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, pool: DevicePool) -> None:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DevicePool,
+        all_logits: bool = False,
+    ) -> None:
         rows = pool.token_view("kv", 0)
         rows.index_copy_(
             0, batch.write_index, synthetic_payload(input_ids, batch.positions, self.kv_width)

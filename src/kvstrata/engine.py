@@ -80,6 +80,7 @@ class Finished:
     ttft_s: float  # engine time from the step it entered to its last-token logits
     error: str | None = None
     payload: torch.Tensor | None = None  # the sequence's cached payload rows, when kept (no model)
+    all_logits: torch.Tensor | None = None  # logits of every computed token, when asked for
 
     @property
     def computed_len(self) -> int:
@@ -96,7 +97,9 @@ class _Running:
     done_len: int
     entered_at: float
     keep_logits: bool
+    keep_all_logits: bool
     logits: torch.Tensor | None = field(default=None)
+    logit_chunks: list[torch.Tensor] = field(default_factory=list)
 
 
 class Engine:
@@ -113,7 +116,8 @@ class Engine:
         )
         self.waiting: deque[Request] = deque()
         self.running: list[_Running] = []
-        self.keep_logits: set[int] = set()
+        self.keep_logits: set[int] = set()  # request ids whose last-token logits are returned
+        self.keep_all_logits: set[int] = set()  # ... whose logits for every computed token are
         # Prefix keys of the full pages running requests are computing, with multiplicity.
         self._inflight: dict[int, int] = {}
         self.deferred = 0
@@ -142,15 +146,20 @@ class Engine:
             extend = min(self.config.chunk_size, len(run.key) - run.done_len, budget)
             chosen.append((run, extend))
             budget -= extend
-        logits = self._forward(chosen)
+        all_logits = any(run.keep_all_logits for run, _ in chosen)
+        logits = self._forward(chosen, all_logits)
         if self.pool.device.type == "cuda":
             torch.cuda.synchronize(self.pool.device)
         now = time.perf_counter()
+        offset = 0
         for i, (run, extend) in enumerate(chosen):
             run.done_len += extend
+            offset += extend
+            if logits is not None and run.keep_all_logits:
+                run.logit_chunks.append(logits[offset - extend : offset].float().cpu())
             if run.done_len == len(run.key):
                 if logits is not None and run.keep_logits:
-                    run.logits = logits[i].float().cpu()
+                    run.logits = logits[offset - 1 if all_logits else i].float().cpu()
                 finished.append(self._finish(run, now))
         self.running = [r for r in self.running if r.done_len < len(r.key)]
         self.steps += 1
@@ -269,11 +278,12 @@ class Engine:
             done_len=cached_len,
             entered_at=now,
             keep_logits=request.rid in self.keep_logits,
+            keep_all_logits=request.rid in self.keep_all_logits,
         )
 
     # -- forward and finish ----------------------------------------------------------------------
 
-    def _forward(self, chosen: list[tuple[_Running, int]]) -> torch.Tensor | None:
+    def _forward(self, chosen: list[tuple[_Running, int]], all_logits: bool) -> torch.Tensor | None:
         device = self.pool.device
         ids = np.concatenate(
             [run.key.tokens[run.done_len : run.done_len + extend] for run, extend in chosen]
@@ -286,7 +296,7 @@ class Engine:
             device=device,
         )
         input_ids = torch.from_numpy(ids.astype(np.int64)).to(device)
-        return self.compute.forward(input_ids, batch, self.pool)
+        return self.compute.forward(input_ids, batch, self.pool, all_logits)
 
     def _finish(self, run: _Running, now: float) -> Finished:
         self._track(run, -1)
@@ -303,4 +313,5 @@ class Engine:
             logits=run.logits,
             ttft_s=now - run.entered_at,
             payload=payload,
+            all_logits=torch.cat(run.logit_chunks) if run.logit_chunks else None,
         )
