@@ -8,7 +8,7 @@ echo "== ruff"; ruff check src tests; ruff format --check src tests
 echo "== mypy"; mypy
 echo "== pytest"
 set +e
-pytest -q -p no:cacheprovider "$@"
+pytest -p no:cacheprovider "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
