@@ -134,5 +134,6 @@ class TokenKey:
         return int(self.page_keys[q - 1])
 
     def same_prefix(self, other: U32Array, lo: int, hi: int) -> bool:
-        """Whether ``tokens[lo:hi]`` equals ``other[lo:hi]`` (both long enough)."""
-        return bool(np.array_equal(self.tokens[lo:hi], other[lo:hi]))
+        """Whether ``tokens[lo:hi]`` equals ``other[lo:hi]`` (both long enough, both uint32)."""
+        # Two memcpy + one memcmp: faster than array_equal's elementwise compare and reduction.
+        return self.tokens[lo:hi].tobytes() == other[lo:hi].tobytes()
