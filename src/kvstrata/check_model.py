@@ -8,6 +8,7 @@ checkpoint, so the loader is exercised too.
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,13 @@ def check_model(
         raise ModelError("check-model needs transformers: pip install 'kvstrata[hf]'") from None
     if not lengths or min(lengths) < 1:
         raise ConfigError(f"prompt lengths must be >= 1, got {lengths}")
+    if page_size < 1:
+        raise ConfigError(f"--page-size must be >= 1, got {page_size}")
+    if atol is not None and not (math.isfinite(atol) and atol >= 0):
+        raise ConfigError(f"--atol must be a finite number >= 0, got {atol}")
+    if max(lengths) <= 2 * page_size:
+        # At least one prompt must span a cached prefix of whole pages read back from the pool.
+        lengths = (*lengths, 2 * page_size + 3)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(path_or_preset)
         if not path.exists():

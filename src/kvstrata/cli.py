@@ -68,6 +68,13 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         "--kv-width", type=int, default=64, help="with --model none: synthetic KV bytes per token"
     )
     p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=128_256,
+        help="with --model none: the vocabulary token ids are mapped into; hit ratios equal a "
+        "model's when this equals its vocabulary (a model run always uses the model's)",
+    )
+    p.add_argument(
         "--verify",
         type=int,
         default=0,
@@ -102,6 +109,7 @@ def _run_replay(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         kv_width=args.kv_width,
+        vocab_size=args.vocab_size,
         engine=EngineConfig(
             page_size=args.page_size,
             pool_tokens=args.l1_tokens,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +60,16 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ConfigError(
+                f"device {self.device!r} is not a torch device; use cpu or cuda"
+            ) from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {self.device!r} asked for, but this machine has no CUDA device"
+            )
         if self.pool_tokens < self.page_size:
             raise ConfigError(
                 f"pool_tokens ({self.pool_tokens}) must hold at least one page of {self.page_size} tokens"
@@ -85,6 +96,11 @@ class Finished:
     @property
     def computed_len(self) -> int:
         return 0 if self.error else self.prompt_len - self.cached_len
+
+
+class _Waiting(NamedTuple):
+    request: Request
+    key: TokenKey  # hashed once, when the request is added
 
 
 @dataclass
@@ -114,7 +130,8 @@ class Engine:
         self.tree = RadixTree(
             CacheConfig(page_size=P, eviction=config.eviction), capacity_pages=config.pool_pages
         )
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[_Waiting] = deque()
+        self._refused: list[Finished] = []
         self.running: list[_Running] = []
         self.keep_logits: set[int] = set()  # request ids whose last-token logits are returned
         self.keep_all_logits: set[int] = set()  # ... whose logits for every computed token are
@@ -127,10 +144,18 @@ class Engine:
     # -- public ----------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Queue a request. One that can never run here is refused at once: the next
+        :meth:`step` returns it with its error."""
+        error = self._refusal(request)
+        if error is not None:
+            self._refused.append(
+                Finished(request.rid, request.tokens.size, 0, None, 0.0, str(error))
+            )
+            return
+        self.waiting.append(_Waiting(request, self.tree.key(request.tokens)))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._refused)
 
     def step(self) -> list[Finished]:
         """Admit what fits, run one packed forward, finish the requests it completed."""
@@ -186,31 +211,30 @@ class Engine:
     # -- admission -------------------------------------------------------------------------------
 
     def _admit(self, now: float) -> list[Finished]:
-        failed: list[Finished] = []
+        failed, self._refused = self._refused, []
         cfg = self.config
         budget = cfg.max_batch_tokens - sum(
             min(cfg.chunk_size, len(r.key) - r.done_len) for r in self.running
         )
-        passed: list[Request] = []
+        passed: list[_Waiting] = []
         while self.waiting and len(self.running) < cfg.max_batch_requests and budget > 0:
-            request = self.waiting.popleft()
-            n = request.tokens.size
-            error = self._refusal(request)
-            if error is not None:
-                failed.append(Finished(request.rid, n, 0, None, 0.0, str(error)))
-                continue
-            key = self.tree.key(request.tokens)
+            waiting = self.waiting.popleft()
+            request, key = waiting
             if self._computing_now(key):
-                passed.append(request)
+                passed.append(waiting)
                 self.deferred += 1
                 continue
-            run = self._try_start(request, key, now)
+            try:
+                run = self._try_start(request, key, now)
+            except RequestError as error:
+                failed.append(Finished(request.rid, len(key), 0, None, 0.0, str(error)))
+                continue
             if run is None:
-                self.waiting.appendleft(request)
+                self.waiting.appendleft(waiting)
                 break  # wait for running requests to release pages
             self.running.append(run)
             self._track(run, +1)
-            budget -= min(cfg.chunk_size, n - run.done_len)
+            budget -= min(cfg.chunk_size, len(key) - run.done_len)
         self.waiting.extendleft(reversed(passed))
         return failed
 
@@ -235,11 +259,18 @@ class Engine:
         return None
 
     def _computing_now(self, key: TokenKey) -> bool:
-        """Whether a running request is computing the first page ``key`` would compute."""
+        """Whether a running request is computing the first page ``key`` would compute and
+        could reuse (not the page of its own last token, which it recomputes anyway)."""
         if not self._inflight:
             return False
-        m = self.tree.match_length(key) // self.config.page_size
-        return m < key.num_full_pages and key.page_keys.item(m) in self._inflight
+        P = self.config.page_size
+        m = min(self.tree.match_length(key), self._reusable_len(len(key))) // P
+        return m < (len(key) - 1) // P and key.page_keys.item(m) in self._inflight
+
+    def _reusable_len(self, n: int) -> int:
+        """The longest cached prefix a request of ``n`` tokens may use: whole pages, and never
+        its last token (a prefill needs that token's logits)."""
+        return (n - 1) // self.config.page_size * self.config.page_size
 
     def _track(self, run: _Running, sign: int) -> None:
         first = run.cached_len // self.config.page_size
@@ -253,9 +284,10 @@ class Engine:
     def _try_start(self, request: Request, key: TokenKey, now: float) -> _Running | None:
         P = self.config.page_size
         tree, allocator = self.tree, self.allocator
-        hit = tree.match_prefix(key)
         n = len(key)
-        cached_len = min(hit.valid_len, (n - 1) // P * P)  # always recompute the last token
+        # Not recorded yet: a request that has to wait would count a hit on every retry.
+        hit = tree.match_prefix(key, max_len=self._reusable_len(n), record=False)
+        cached_len = hit.valid_len
         tree.lock(hit.last_node)
         need = -(-n // P) - cached_len // P
         new_pages = allocator.alloc(cached_len // P, need)
@@ -263,10 +295,14 @@ class Engine:
             allocator.free(tree.evict(need - allocator.num_free))
             new_pages = allocator.alloc(cached_len // P, need)
         if new_pages is None:
-            # Only running requests can hold what eviction could not free; they will finish.
-            assert self.running, f"request {request.rid}: {need} pages do not fit an idle pool"
             tree.unlock(hit.last_node)
+            if not self.running:  # nothing will release pages: _refusal should have caught it
+                raise RequestError(
+                    f"request {request.rid}: {need} pages do not fit even after eviction "
+                    f"({allocator.num_free} free of {allocator.num_pages})"
+                )
             return None
+        tree.record_hit(hit.last_node)
         self.peak_pages_used = max(self.peak_pages_used, allocator.num_used)
         pages = np.concatenate((hit.device_pages[: cached_len // P], new_pages))
         return _Running(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .config import KVLayout
-from .errors import ConfigError
+from .errors import CapacityError, ConfigError
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -50,17 +50,24 @@ class DevicePool:
         self.page_size = page_size
         self.num_slots = num_slots
         self.device = torch.device(device)
-        self._buffers: dict[str, list[torch.Tensor]] = {
-            spec.name: [
-                torch.zeros(
-                    (num_slots, page_size, *spec.token_shape),
-                    dtype=torch_dtype(spec.dtype),
-                    device=self.device,
-                )
-                for _ in range(layout.num_layers)
-            ]
-            for spec in layout.payloads
-        }
+        try:
+            self._buffers: dict[str, list[torch.Tensor]] = {
+                spec.name: [
+                    torch.zeros(
+                        (num_slots, page_size, *spec.token_shape),
+                        dtype=torch_dtype(spec.dtype),
+                        device=self.device,
+                    )
+                    for _ in range(layout.num_layers)
+                ]
+                for spec in layout.payloads
+            }
+        except RuntimeError as err:  # torch.OutOfMemoryError included
+            gib = layout.page_bytes(page_size) * num_slots / 2**30
+            raise CapacityError(
+                f"cannot allocate a {gib:.1f} GiB device pool ({num_slots} pages) on "
+                f"{self.device}: {str(err).splitlines()[0]}; use a smaller pool (--l1-tokens)"
+            ) from None
 
     def buffer(self, payload: str, layer: int) -> torch.Tensor:
         """The ``[num_slots, page_size, *token_shape]`` tensor of ``payload`` in ``layer``."""

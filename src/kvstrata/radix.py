@@ -180,30 +180,52 @@ class RadixTree:
 
     # -- match -----------------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: TokenKey | object) -> MatchResult:
+    def match_prefix(
+        self, tokens: TokenKey | object, max_len: int | None = None, record: bool = True
+    ) -> MatchResult:
         """The longest cached prefix of ``tokens`` in whole pages, and its device pages.
 
-        Bumps the logical clock and records an access and a hit on every node of the path. A match
-        that ends inside a node splits it there, so ``last_node`` ends exactly at ``valid_len``.
+        ``max_len`` caps the match (an engine that recomputes a request's last token passes the
+        page boundary before it). A match that ends inside a node splits it there, so
+        ``last_node`` ends exactly at ``valid_len`` and locking it pins only the matched pages.
+        With ``record`` (the default) the match bumps the logical clock and records an access and
+        a hit on every node of its path; a caller that may still back out passes
+        ``record=False`` and calls :meth:`record_hit` once it uses the match.
         """
         key = self.key(tokens)
         path, m = self._descend(key)
-        if path and path[-1].end > m * self.page_size:
-            # The match ends inside a node: split it, so that locking the result protects exactly
-            # the matched pages and the node's unmatched rest stays evictable.
-            path = [*path[:-1], self._split(path[-1], m * self.page_size)]
-            self._memo = (key, self._version, path, m)  # still the walk an insert would do
+        P = self.page_size
+        capped = max_len is not None and m * P > max_len
+        if capped:
+            m = max(max_len or 0, 0) // P
+            path = [n for n in path if n.start < m * P]
+        if path and path[-1].end > m * P:
+            path = [*path[:-1], self._split(path[-1], m * P)]
+            if not capped:
+                self._memo = (key, self._version, path, m)  # still the walk an insert would do
+        if record:
+            self._record(path)
+        if not path:
+            return MatchResult(0, _EMPTY_PAGES, self.root)
+        last = path[-1]
+        pages = last.pages[:m] if len(path) == 1 else np.concatenate([n.pages for n in path])[:m]
+        return MatchResult(m * P, pages, last)
+
+    def record_hit(self, node: Node) -> None:
+        """Record an access and a hit on ``node`` and its ancestors (a match used late)."""
+        path: list[Node] = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        self._record(path[::-1])
+
+    def _record(self, path: list[Node]) -> None:
         self.clock += 1
         clock = self.clock
         for node in path:
             node.last_access = clock
             node.hit_count += 1
         self._notify_access(path, hit=True)
-        if not path:
-            return MatchResult(0, _EMPTY_PAGES, self.root)
-        last = path[-1]
-        pages = last.pages[:m] if len(path) == 1 else np.concatenate([n.pages for n in path])[:m]
-        return MatchResult(m * self.page_size, pages, last)
 
     def match_length(self, tokens: TokenKey | object) -> int:
         """The valid length ``match_prefix`` would return, without recording an access."""

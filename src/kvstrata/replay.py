@@ -46,6 +46,17 @@ class ReplayConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ConfigError(f"--seed must be >= 0, got {self.seed}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.model == "none" and self.dtype is not None:
+            raise ConfigError(
+                "--dtype applies to a model's K/V; --model none stores uint8 synthetic payloads "
+                "(size them with --kv-width)"
+            )
+        if self.vocab_size < 1:
+            raise ConfigError(f"--vocab-size must be >= 1, got {self.vocab_size}")
         if self.verify < 0:
             raise ConfigError(f"--verify takes a number of requests >= 0, got {self.verify}")
         if self.limit is not None and self.limit < 1:
@@ -224,16 +235,21 @@ def run_replay(
         verify=verify,
         config={
             "workload": workload.source,
+            "limit": cfg.limit,
             "skipped_lines": len(workload.skipped),
             "model": cfg.model,
             "dtype": str(next(iter(compute.layout.payloads)).dtype),
+            "vocab_size": compute.vocab_size,
             "page_size": cfg.engine.page_size,
             "l1_tokens": cfg.engine.pool_tokens,
             "chunk_size": cfg.engine.chunk_size,
             "max_batch_tokens": cfg.engine.max_batch_tokens,
+            "max_batch_requests": cfg.engine.max_batch_requests,
             "eviction": cfg.engine.eviction,
             "device": cfg.engine.device,
             "kv_width": cfg.kv_width if cfg.model == "none" else None,
+            "verify": cfg.verify,
+            "seed": cfg.seed,
         },
         errors=[f.error for f in finished if f.error][:20],
     )
