@@ -193,7 +193,8 @@ class Engine:
         return finished
 
     def check(self) -> None:
-        """Tree and allocator invariants, and every page either free or accounted for."""
+        """Tree and allocator invariants; every page free, cached or held by a running request;
+        one lock and one set of in-flight keys per running request."""
         self.tree.check()
         self.allocator.check()
         P = self.config.page_size
@@ -206,6 +207,11 @@ class Engine:
         if self.allocator.num_used != self.tree.num_pages + held:
             raise AssertionError(
                 f"pages used {self.allocator.num_used} != tree {self.tree.num_pages} + running {held}"
+            )
+        locks = self.tree.root.lock_ref + sum(n.lock_ref for n in self.tree.nodes())
+        if locks != len(self.running):
+            raise AssertionError(
+                f"{locks} node locks held for {len(self.running)} running requests"
             )
 
     # -- admission -------------------------------------------------------------------------------
