@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.compute import ModelCompute, SyntheticCompute
+from kvstrata.compute import ModelCompute, SyntheticCompute, synthetic_payload
 from kvstrata.engine import Engine, EngineConfig, Finished
 from kvstrata.errors import ConfigError
 from kvstrata.model.loader import load_model
@@ -195,3 +195,38 @@ def test_all_token_logits_on_request(tiny: ModelCompute) -> None:
     assert ref is not None
     assert torch.allclose(second.all_logits, ref[64:], atol=1e-5, rtol=0)
     assert torch.allclose(first.all_logits, ref[:70], atol=1e-5, rtol=0)
+
+
+def test_synthetic_payload_depends_on_the_whole_prefix() -> None:
+    a = torch.tensor([5, 6, 7, 8], dtype=torch.int64)
+    b = torch.tensor([9, 6, 7, 8], dtype=torch.int64)  # same tokens at positions 1-3
+    pa, pb = synthetic_payload(a, 8), synthetic_payload(b, 8)
+    assert torch.equal(synthetic_payload(a[:3], 8), pa[:3])  # a prefix's bytes do not change
+    assert all(not torch.equal(pa[i], pb[i]) for i in range(4))
+    shifted = synthetic_payload(torch.tensor([1, 5, 6, 7, 8]), 8)[1:]
+    assert all(not torch.equal(pa[i], shifted[i]) for i in range(4))  # position matters too
+
+
+@pytest.mark.parametrize(("page_size", "chunk"), [(1, 3), (4, 7), (16, 5)])
+def test_synthetic_chunks_and_hits_reproduce_one_shot_bytes(page_size: int, chunk: int) -> None:
+    """Chunked, batched and cache-hit writes leave every request's bytes equal to a one-shot
+    computation over its whole sequence."""
+    requests = builtin(512, seed=2, n_requests=40)
+    engine = Engine(
+        SyntheticCompute(12, 512),
+        EngineConfig(page_size=page_size, pool_tokens=2048, chunk_size=chunk, max_batch_tokens=64),
+    )
+    engine.keep_logits = {r.rid for r in requests}
+    out = run_all(engine, requests)
+    assert sum(f.cached_len for f in out.values()) > 0
+    for r in requests:
+        payload = out[r.rid].payload
+        assert payload is not None
+        assert torch.equal(
+            payload, synthetic_payload(torch.from_numpy(r.tokens.astype(np.int64)), 12)
+        )
+
+
+def test_synthetic_kv_width_needs_room_for_the_state() -> None:
+    with pytest.raises(ConfigError, match="kv_width"):
+        SyntheticCompute(3, 512)

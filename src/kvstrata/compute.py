@@ -3,8 +3,9 @@
 The engine schedules, matches, allocates and inserts identically for both; only the forward
 differs. :class:`ModelCompute` runs the reference decoder and returns last-token logits.
 :class:`SyntheticCompute` (``--model none``) writes ``kv_width`` bytes per token that are a pure
-function of the token id and its position, so whole traces replay without a model while the pool
-sees realistic traffic, and any page served from the cache can be checked byte for byte.
+function of the token's whole prefix and position, as real KV is, so whole traces replay without a
+model while the pool sees realistic traffic, and any page served from the cache can be checked byte
+for byte.
 """
 
 from __future__ import annotations
@@ -70,27 +71,52 @@ class ModelCompute:
         return None
 
 
-#: Odd multipliers that spread (token id, position) over the payload bytes.
-_TOKEN_MULT = 0x9E3779B1
-_POS_MULT = 0x85EBCA77
+# Like real KV, a synthetic token's bytes depend on every token before it: each token carries the
+# running state S_t = sum_{j <= t} (token_j + 1) * w(j) mod 2**31 in its first four bytes (little
+# endian), and every other byte mixes S_t with the token and the byte's lane. A page copied from
+# another prefix, or from another position, therefore carries the wrong bytes.
+_STATE_MOD = 1 << 31
+_POS_MULT = 0x9E3779B1
+_POS_ADD = 0x7F4A7C15
+_TOKEN_MULT = 0x85EBCA77
+_LANE_MULT = 0x27D4EB2F
+_STATE_BYTES = 4
 
 
-def synthetic_payload(tokens: torch.Tensor, positions: torch.Tensor, kv_width: int) -> torch.Tensor:
-    """``[T, kv_width]`` uint8: the bytes ``--model none`` stores for each (token, position)."""
-    mixed = (
-        tokens.to(torch.int64) * _TOKEN_MULT + positions.to(torch.int64) * _POS_MULT
-    ) & 0xFFFFFFFF
-    lanes = torch.arange(kv_width, device=tokens.device, dtype=torch.int64)
-    shifted = (mixed[:, None] >> ((lanes % 4) * 8)[None, :]) ^ lanes[None, :]
-    return (shifted & 0xFF).to(torch.uint8)
+def _token_terms(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``(token + 1) * w(position) mod 2**31``; every factor stays below 2**32, the product below
+    2**63, so int64 arithmetic is exact."""
+    weights = ((positions * _POS_MULT + _POS_ADD) % _STATE_MOD) | 1
+    return ((tokens + 1) * weights) % _STATE_MOD
+
+
+def _payload_bytes(state: torch.Tensor, tokens: torch.Tensor, kv_width: int) -> torch.Tensor:
+    lanes = torch.arange(kv_width, device=state.device, dtype=torch.int64)
+    shift = ((lanes % _STATE_BYTES) * 8)[None, :]
+    mixed = state[:, None] ^ (
+        (tokens[:, None] * _TOKEN_MULT + lanes[None, :] * _LANE_MULT) % _STATE_MOD
+    )
+    mixed = torch.where(lanes[None, :] < _STATE_BYTES, state[:, None], mixed)
+    return ((mixed >> shift) & 0xFF).to(torch.uint8)
+
+
+def synthetic_payload(tokens: torch.Tensor, kv_width: int) -> torch.Tensor:
+    """``[n, kv_width]`` uint8: the bytes ``--model none`` stores for a whole sequence."""
+    tokens = tokens.to(torch.int64)
+    positions = torch.arange(tokens.numel(), device=tokens.device)
+    state = torch.cumsum(_token_terms(tokens, positions), 0) % _STATE_MOD
+    return _payload_bytes(state, tokens, kv_width)
 
 
 class SyntheticCompute:
     """``--model none``: one payload ``kv`` of ``kv_width`` bytes per token, no logits."""
 
     def __init__(self, kv_width: int, vocab_size: int) -> None:
-        if kv_width < 1:
-            raise ConfigError(f"kv_width (bytes per token) must be >= 1, got {kv_width}")
+        if kv_width < _STATE_BYTES:
+            raise ConfigError(
+                f"kv_width (bytes per token) must be >= {_STATE_BYTES}, got {kv_width}: each "
+                "synthetic token carries a 4-byte state of its whole prefix"
+            )
         self.kv_width = kv_width
         self.vocab_size = vocab_size
         self.max_seq_len = 1 << 31
@@ -104,15 +130,34 @@ class SyntheticCompute:
         all_logits: bool = False,
     ) -> None:
         rows = pool.token_view("kv", 0)
-        rows.index_copy_(
-            0, batch.write_index, synthetic_payload(input_ids, batch.positions, self.kv_width)
+        tokens = input_ids.to(torch.int64)
+        # One cumulative sum over the packed batch, rebased per request onto the state its cached
+        # prefix ends with (read back from the pool: the prefix was written by earlier forwards).
+        running = torch.cumsum(_token_terms(tokens, batch.positions), 0)
+        starts = torch.tensor(batch.cu_seqlens_host[:-1], device=tokens.device)
+        before = torch.where(starts > 0, running[(starts - 1).clamp(min=0)], 0)
+        prefix_state = torch.stack(
+            [
+                _decode_state(rows[read[prefix - 1]]) if prefix else tokens.new_zeros(())
+                for read, prefix in zip(batch.read_index, batch.prefix_lens, strict=True)
+            ]
         )
+        lengths = torch.tensor(batch.extend_lens, device=tokens.device)
+        state = (running + torch.repeat_interleave(prefix_state - before, lengths)) % _STATE_MOD
+        rows.index_copy_(0, batch.write_index, _payload_bytes(state, tokens, self.kv_width))
         return None
 
     def snapshot(
         self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int
     ) -> torch.Tensor:
+        """The sequence's payload rows as the pool holds them, for ``--verify``."""
         P = pool.page_size
         slots = torch.from_numpy(pages).to(pool.device)
         rows = (slots[:, None] * P + torch.arange(P, device=pool.device)).flatten()[:num_tokens]
         return pool.token_view("kv", 0).index_select(0, rows).cpu()
+
+
+def _decode_state(row: torch.Tensor) -> torch.Tensor:
+    """The prefix state stored in the first four bytes of a payload row."""
+    b = row[:_STATE_BYTES].to(torch.int64)
+    return b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24)
