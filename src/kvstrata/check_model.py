@@ -20,6 +20,7 @@ from .model.batch import ForwardBatch
 from .model.config import PRESETS, ModelConfig
 from .model.llama import LlamaModel
 from .model.loader import load_model
+from .ownership import page_span
 from .pool import DevicePool
 
 #: Prompt lengths that straddle page boundaries for page sizes 16 and 64.
@@ -47,7 +48,7 @@ def _our_logits(
     config = model.config
     dtype = next(model.parameters()).dtype
     n = tokens.numel()
-    pages = -(-n // page_size)
+    pages = page_span(n, page_size)
     pool = DevicePool(
         config.kv_layout(str(dtype).removeprefix("torch.")), page_size, pages, tokens.device
     )

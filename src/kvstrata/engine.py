@@ -34,6 +34,7 @@ from .config import CacheConfig, PoolConfig
 from .errors import ConfigError, RequestError
 from .keys import TokenKey
 from .model.batch import ForwardBatch
+from .ownership import page_span
 from .pool import DevicePool
 from .radix import Node, RadixTree
 from .workloads import Request
@@ -252,9 +253,9 @@ class Engine:
                 f"request {request.rid}: {n} tokens exceed the model's {self.compute.max_seq_len} "
                 "positions (max_position_embeddings)"
             )
-        if -(-n // cfg.page_size) > cfg.pool_pages:
+        if page_span(n, cfg.page_size) > cfg.pool_pages:
             return RequestError(
-                f"request {request.rid}: {n} tokens need {-(-n // cfg.page_size)} pages of "
+                f"request {request.rid}: {n} tokens need {page_span(n, cfg.page_size)} pages of "
                 f"{cfg.page_size}, the device pool has {cfg.pool_pages}; raise the pool size"
             )
         if int(request.tokens.max()) >= self.compute.vocab_size:
@@ -295,7 +296,7 @@ class Engine:
         hit = tree.match_prefix(key, max_len=self._reusable_len(n), record=False)
         cached_len = hit.valid_len
         tree.lock(hit.last_node)
-        need = -(-n // P) - cached_len // P
+        need = page_span(n, P) - cached_len // P
         new_pages = allocator.alloc(cached_len // P, need)
         if new_pages is None:
             allocator.free(tree.evict(need - allocator.num_free))

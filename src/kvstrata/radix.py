@@ -31,6 +31,7 @@ from .config import CacheConfig
 from .errors import ConfigError, TreeInvariantError
 from .eviction import PROBATION, EvictionPolicy, Priority, make_policy
 from .keys import PrefixHasher, TokenKey
+from .ownership import page_span
 from .residency import Residency, Tier
 
 IntArray = npt.NDArray[np.int64]
@@ -313,7 +314,7 @@ class RadixTree:
         """
         key = self.key(tokens)
         P, n = self.page_size, len(key)
-        num_pages = -(-n // P)
+        num_pages = page_span(n, P)
         if pages.shape != (num_pages,):
             raise ConfigError(
                 f"insert of {n} tokens needs {num_pages} pages (page_size {P}), got shape {pages.shape}"
@@ -588,7 +589,10 @@ class RadixTree:
                 raise fail("is empty")
             if n.children and n.end % P:
                 raise fail("has children but ends inside a page (valid tail)")
-            if n.pages.size != -(-(n.end - n.start) // P) or n.keys.size != (n.end - n.start) // P:
+            if (
+                n.pages.size != page_span(n.end - n.start, P)
+                or n.keys.size != (n.end - n.start) // P
+            ):
                 raise fail(f"holds {n.pages.size} pages and {n.keys.size} keys")
             if n.num_full != n.keys.size or n.full_key != (n.keys.item(-1) if n.keys.size else -1):
                 raise fail("cached full-page count or last full key is stale")

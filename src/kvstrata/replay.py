@@ -25,6 +25,7 @@ from .compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
 from .engine import Engine, EngineConfig, Finished
 from .errors import ConfigError
 from .model.loader import load_model
+from .ownership import page_span
 from .workloads import DEFAULT_VOCAB_SIZE, Request, load_workload
 
 SUMMARY_SCHEMA = 1
@@ -259,7 +260,7 @@ def recompute_uncached(compute: Compute, config: EngineConfig, request: Request)
     """Last-token logits of ``request`` computed by a fresh engine with an empty cache (same
     page size and chunking), sized for that one request."""
     P = config.page_size
-    pool_tokens = -(-request.tokens.size // P) * P
+    pool_tokens = page_span(request.tokens.size, P) * P
     solo = Engine(compute, EngineConfig(**{**asdict(config), "pool_tokens": pool_tokens}))
     solo.keep_logits = {request.rid}
     solo.add(request)

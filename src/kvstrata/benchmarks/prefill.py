@@ -23,6 +23,7 @@ import torch
 import transformers
 
 from ..model import PRESETS, ForwardBatch, LlamaModel, ModelConfig, convert_hf_state
+from ..ownership import page_span
 from ..pool import DevicePool
 
 
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     config = PRESETS[args.preset]
     ours, hf_model = build_models(config, device, dtype, args.seed)
     page_size = args.page_size
-    max_pages = -(-max(args.lengths) // page_size)
+    max_pages = page_span(max(args.lengths), page_size)
     pool = DevicePool(
         config.kv_layout(args.dtype), page_size=page_size, num_slots=max_pages, device=device
     )
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     results = []
     for length in args.lengths:
         input_ids = torch.randint(0, config.vocab_size, (length,), generator=generator).to(device)
-        page_table = torch.arange(-(-length // page_size))
+        page_table = torch.arange(page_span(length, page_size))
 
         def ours_prefill(
             input_ids: torch.Tensor = input_ids,

@@ -24,6 +24,7 @@ import numpy.typing as npt
 from .. import synthetic
 from ..allocator import PageAllocator
 from ..config import CacheConfig, PoolConfig
+from ..ownership import page_span
 from ..radix import RadixTree
 
 #: The workload's own no-eviction references for seed 0 and 2,000 requests (from
@@ -61,10 +62,10 @@ def replay(
     P = page_size
     longest = max(r.size for r in requests)
     if budget_tokens is None:
-        budget_pages = sum(-(-r.size // P) for r in requests)
+        budget_pages = sum(page_span(r.size, P) for r in requests)
     else:
         budget_pages = budget_tokens // P
-    pool_pages = budget_pages + -(-longest // P) + 1
+    pool_pages = budget_pages + page_span(longest, P) + 1
     tree = RadixTree(CacheConfig(page_size=P, eviction=eviction), capacity_pages=budget_pages)
     alloc = PageAllocator(PoolConfig(num_pages=pool_pages))
     low_pages = int(budget_pages * 0.9)
@@ -79,7 +80,7 @@ def replay(
         hit = tree.match_prefix(key)
         t1 = clock()
         cached_pages = hit.valid_len // P
-        new_pages = alloc.alloc(cached_pages, -(-tokens.size // P) - cached_pages)
+        new_pages = alloc.alloc(cached_pages, page_span(tokens.size, P) - cached_pages)
         assert new_pages is not None, "pool sized to hold the budget plus one request"
         result = tree.insert(key, np.concatenate((hit.device_pages, new_pages)), hit.valid_len)
         alloc.free(result.free_pages)

@@ -28,6 +28,7 @@ import numpy.typing as npt
 import torch
 
 from ..errors import ConfigError, RequestError
+from ..ownership import page_span
 
 PageTable = torch.Tensor | npt.NDArray[np.integer] | Sequence[int]
 
@@ -142,7 +143,7 @@ def _check_request(
     slots = torch.as_tensor(table).to(device="cpu", dtype=torch.int64)
     if slots.dim() != 1:
         raise RequestError(f"request {i}: a page table must be 1-D, got shape {tuple(slots.shape)}")
-    num_pages = -(-(prefix + extend) // page_size)
+    num_pages = page_span(prefix + extend, page_size)
     if slots.numel() < num_pages:
         raise RequestError(
             f"request {i}: {prefix} cached + {extend} new tokens need {num_pages} pages of "
