@@ -10,7 +10,7 @@ here, by name, instead of being ignored.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import KVLayout, PayloadSpec
@@ -263,47 +263,27 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     return theta, scaling
 
 
+# Small enough for unit tests on one CPU core; the Qwen variants differ only where the
+# architecture does.
+_TINY = ModelConfig(
+    architecture="llama",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=10000.0,
+    max_position_embeddings=131072,
+)
+
 PRESETS: dict[str, ModelConfig] = {
-    # Small enough for unit tests on one CPU core.
-    "tiny": ModelConfig(
-        architecture="llama",
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        rope_theta=10000.0,
-        max_position_embeddings=131072,
+    "tiny": _TINY,
+    "tiny-qwen2": replace(
+        _TINY, architecture="qwen2", rope_theta=1000000.0, tie_word_embeddings=True, qkv_bias=True
     ),
-    "tiny-qwen2": ModelConfig(
-        architecture="qwen2",
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        rope_theta=1000000.0,
-        tie_word_embeddings=True,
-        qkv_bias=True,
-        max_position_embeddings=131072,
-    ),
-    "tiny-qwen3": ModelConfig(
-        architecture="qwen3",
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        rope_theta=1000000.0,
-        qk_norm=True,
-        max_position_embeddings=131072,
-    ),
+    "tiny-qwen3": replace(_TINY, architecture="qwen3", rope_theta=1000000.0, qk_norm=True),
     # Big enough that a CPU prefill of 1k tokens is dominated by matmuls and attention, not Python.
     "small": ModelConfig(
         architecture="llama",
