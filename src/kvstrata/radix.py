@@ -196,9 +196,9 @@ class RadixTree:
         key = self.key(tokens)
         path, m = self._descend(key)
         P = self.page_size
-        capped = max_len is not None and m * P > max_len
-        if capped:
-            m = max(max_len or 0, 0) // P
+        capped = False
+        if max_len is not None and m * P > max_len:
+            capped, m = True, max(max_len, 0) // P
             path = [n for n in path if n.start < m * P]
         if path and path[-1].end > m * P:
             path = [*path[:-1], self._split(path[-1], m * P)]
