@@ -48,7 +48,7 @@ def write_trace(tmp_path: Path, lines: list[str]) -> Path:
 
 def digest(workload: Workload) -> str:
     h = hashlib.sha256()
-    for r in workload.requests:
+    for r in workload:
         h.update(np.int64(r.tokens.size).tobytes())
         h.update(r.tokens.astype("<u4").tobytes())
     return h.hexdigest()
@@ -99,15 +99,15 @@ def test_fresh_process_gives_same_tokens(trace: Path) -> None:
 def test_block_tokens_are_pinned(tmp_path: Path) -> None:
     # Changing how ids expand would silently change every recorded trace result.
     path = write_trace(tmp_path, [line(4, [0]), line(4, [182789])])
-    full = load_mooncake(path, vocab_size=2**32).requests
+    full = list(load_mooncake(path, vocab_size=2**32))
     assert full[0].tokens.tolist() == [2735729615, 1158725112, 175979945, 70985654]
     assert full[1].tokens.tolist() == [1825360380, 3495885725, 2668427709, 1637137620]
-    llama = load_mooncake(path).requests
+    llama = list(load_mooncake(path))
     assert llama[0].tokens.tolist() == [29135, 60408, 12713, 60086]
 
 
 def test_shared_ids_share_tokens_and_different_ids_differ(trace: Path) -> None:
-    r = load_mooncake(trace).requests
+    r = list(load_mooncake(trace))
     assert shared_prefix(r[0].tokens, r[1].tokens) == 2 * BLOCK
     assert shared_prefix(r[0].tokens, r[2].tokens) == 0
     # id 1 expands to the same tokens in request 2 (cut to 7) as in request 0.
@@ -117,15 +117,15 @@ def test_shared_ids_share_tokens_and_different_ids_differ(trace: Path) -> None:
 
 
 def test_truncation_to_input_length(trace: Path) -> None:
-    r = load_mooncake(trace).requests
+    r = list(load_mooncake(trace))
     assert [req.tokens.size for req in r] == [3 * BLOCK, 2 * BLOCK + 100, BLOCK + 7, 700]
     assert np.array_equal(r[3].tokens, r[0].tokens[:700])
     assert all(req.tokens.dtype == np.uint32 for req in r)
 
 
 def test_vocab_mapping_in_range_and_consistent(trace: Path) -> None:
-    full = load_mooncake(trace, vocab_size=2**32).requests
-    small = load_mooncake(trace, vocab_size=7).requests
+    full = list(load_mooncake(trace, vocab_size=2**32))
+    small = list(load_mooncake(trace, vocab_size=7))
     for f, s in zip(full, small, strict=True):
         assert int(s.tokens.max()) < 7
         assert np.array_equal(s.tokens, f.tokens % 7)
@@ -133,16 +133,16 @@ def test_vocab_mapping_in_range_and_consistent(trace: Path) -> None:
 
 def test_block_tokens_parameter(tmp_path: Path) -> None:
     path = write_trace(tmp_path, [line(20, [0, 1]), line(16, [0, 2])])
-    r = load_mooncake(path, block_tokens=10).requests
+    r = list(load_mooncake(path, block_tokens=10))
     assert shared_prefix(r[0].tokens, r[1].tokens) == 10
     with pytest.raises(WorkloadError, match="exceeds"):
-        load_mooncake(path, block_tokens=8)
+        list(load_mooncake(path, block_tokens=8))
 
 
 def test_limit(trace: Path) -> None:
-    w = load_mooncake(trace, limit=2)
-    assert len(w.requests) == 2
-    assert np.array_equal(w.requests[1].tokens, load_mooncake(trace).requests[1].tokens)
+    w = list(load_mooncake(trace, limit=2))
+    assert len(w) == 2
+    assert np.array_equal(w[1].tokens, list(load_mooncake(trace))[1].tokens)
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, bad: str, what: str)
     # Line 2 is blank: blank lines are ignored but still count in the line numbers.
     path = write_trace(tmp_path, [GOOD, "", bad, GOOD])
     with pytest.raises(WorkloadError, match=what) as info:
-        load_mooncake(path)
+        list(load_mooncake(path))
     assert f"{path}:3: " in str(info.value)
 
 
@@ -182,21 +182,22 @@ def test_non_utf8_line(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     path.write_bytes(GOOD.encode() + b"\n\xff\xfe{\n")
     with pytest.raises(WorkloadError, match=r":2: invalid JSON"):
-        load_mooncake(path)
+        list(load_mooncake(path))
 
 
 def test_skip_mode_counts_lines(tmp_path: Path) -> None:
     bad = [text for text, _ in MALFORMED]
     path = write_trace(tmp_path, [GOOD, "", *bad, "   ", GOOD])
     w = load_mooncake(path, on_error="skip")
-    assert [r.rid for r in w.requests] == [0, 1]
+    assert [r.rid for r in w] == [0, 1]
+    assert w.num_skipped == len(bad)
     assert [s.line_no for s in w.skipped] == list(range(3, 3 + len(bad)))
     assert all(s.reason for s in w.skipped)
 
 
 def test_limit_stops_before_later_bad_lines(tmp_path: Path) -> None:
     path = write_trace(tmp_path, [GOOD, "{not json"])
-    assert len(load_mooncake(path, limit=1).requests) == 1
+    assert len(list(load_mooncake(path, limit=1))) == 1
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -234,14 +235,15 @@ def test_request_rejects_bad_tokens(tokens: np.ndarray) -> None:
 )
 def test_real_conversation_trace_head() -> None:
     w = load_mooncake(CONVERSATION, limit=200)
-    assert len(w.requests) == 200 and not w.skipped
+    requests = list(w)
+    assert len(requests) == 200 and not w.skipped
     with CONVERSATION.open() as f:
         records = [json.loads(next(f)) for _ in range(200)]
-    assert [r.tokens.size for r in w.requests] == [rec["input_length"] for rec in records]
-    assert [r.arrival_ms for r in w.requests] == [rec["timestamp"] for rec in records]
+    assert [r.tokens.size for r in requests] == [rec["input_length"] for rec in records]
+    assert [r.arrival_ms for r in requests] == [rec["timestamp"] for rec in records]
     # The first requests all open with hash id 0 (a shared system prompt).
     assert records[0]["hash_ids"][0] == records[1]["hash_ids"][0] == 0
-    assert shared_prefix(w.requests[0].tokens, w.requests[1].tokens) >= BLOCK
+    assert shared_prefix(requests[0].tokens, requests[1].tokens) >= BLOCK
 
 
 # --- generated workloads ----------------------------------------------------------------------
@@ -276,12 +278,15 @@ def test_synthetic_matches_shared_generator() -> None:
 
 
 def test_load_workload_specs(trace: Path) -> None:
-    assert len(load_workload("builtin", vocab_size=500).requests) == BUILTIN_REQUESTS
-    assert len(load_workload("builtin", limit=5, vocab_size=500).requests) == 5
-    w = load_workload("synthetic:7:4", vocab_size=500)
-    assert len(w.requests) == 4 and all(int(r.tokens.max()) < 500 for r in w.requests)
-    assert len(load_workload("synthetic:7:4", limit=2).requests) == 2
-    assert len(load_workload(str(trace), limit=3).requests) == 3
-    for spec in ("nope", "synthetic:x", "synthetic:1:2:3", "trace.json"):
-        with pytest.raises(WorkloadError, match="builtin|synthetic"):
+    assert len(list(load_workload("builtin", vocab_size=500))) == BUILTIN_REQUESTS
+    assert len(list(load_workload("builtin", limit=5, vocab_size=500))) == 5
+    w = list(load_workload("synthetic:7:4", vocab_size=500))
+    assert len(w) == 4 and all(int(r.tokens.max()) < 500 for r in w)
+    assert len(list(load_workload("synthetic:7:4", limit=2))) == 2
+    assert len(list(load_workload(str(trace), limit=3))) == 3
+    agentic = load_workload("agentic:3:7", vocab_size=500)
+    assert agentic.num_requests == 7 and len(list(agentic)) == 7
+    assert load_workload("agentic", limit=2).num_requests == 2
+    for spec in ("nope", "synthetic:x", "synthetic:1:2:3", "trace.json", "agentic:1:0", "agentic:"):
+        with pytest.raises(WorkloadError, match="builtin|synthetic|agentic"):
             load_workload(spec)

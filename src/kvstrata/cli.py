@@ -4,6 +4,8 @@ kvstrata replay         run a workload through the prefill engine and report the
 kvstrata check-model    compare a checkpoint's logits with transformers before serving it
 kvstrata bench radix    radix tree speed on the shared synthetic workload
 kvstrata bench prefill  prefill tokens/s against transformers on the same inputs
+kvstrata bench workload workload statistics: sizes, unique tokens, ideal hit ratio
+kvstrata bench memory   peak RSS of a streamed replay at two workload sizes
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         "--workload",
         dest="workload",
         default="builtin",
-        help="'builtin', 'synthetic[:SEED[:N]]', or a Mooncake JSONL trace file "
-        "(each hash id is a 512-token block)",
+        help="'builtin', 'synthetic[:SEED[:N]]', 'agentic[:SEED[:N]]' (long agentic coding "
+        "sessions, README 'Workloads'), or a Mooncake JSONL trace file (each hash id is a "
+        "512-token block); read lazily, never loaded whole",
     )
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument(
@@ -62,6 +65,14 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-batch-requests", type=int, default=64, help="max requests running at once"
+    )
+    p.add_argument(
+        "--lookahead",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests read ahead of the engine, waiting or running (default: 2 x "
+        "--max-batch-requests); replay memory holds the cache plus these",
     )
     p.add_argument("--eviction", choices=["lru", "slru"], default="lru", help="eviction policy")
     p.add_argument(
@@ -123,6 +134,7 @@ def _run_replay(args: argparse.Namespace) -> int:
         verify=args.verify,
         on_error=args.on_error,
         seed=args.seed,
+        lookahead=args.lookahead,
     )
     summary = run_replay(cfg, progress=not args.no_progress and sys.stderr.isatty())
     print(summary.table())
@@ -173,11 +185,11 @@ def _run_check_model(args: argparse.Namespace) -> int:
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks (radix, prefill); each prints a table and a JSON line",
+        help="benchmarks (radix, prefill, workload, memory); each prints a table and a JSON line",
         description="Run a benchmark. Arguments after the name go to the benchmark "
         "(kvstrata bench radix --help).",
     )
-    p.add_argument("name", choices=["radix", "prefill"])
+    p.add_argument("name", choices=["radix", "prefill", "workload", "memory"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_run_bench)
 
@@ -187,6 +199,14 @@ def _run_bench(args: argparse.Namespace) -> int:
         from .benchmarks import radix
 
         return radix.main(args.rest)
+    if args.name == "workload":
+        from .benchmarks import workload
+
+        return workload.main(args.rest)
+    if args.name == "memory":
+        from .benchmarks import replay_memory
+
+        return replay_memory.main(args.rest)
     from .benchmarks import prefill
 
     return int(prefill.main(args.rest))

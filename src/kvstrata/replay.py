@@ -1,8 +1,9 @@
 """``kvstrata replay``: run a workload through the engine and report what the cache saved.
 
 Builds the compute (a model preset or checkpoint, or ``none`` for cache-only replay with synthetic
-payloads), feeds every request of the workload to the :class:`~kvstrata.engine.Engine` in order,
-and summarises: hit ratio, computed tokens, prefill throughput, TTFT percentiles, pool usage, and —
+payloads), streams the workload's requests into the :class:`~kvstrata.engine.Engine` in order, a
+bounded look-ahead window at a time (a finished request is folded into running totals and dropped,
+so memory does not grow with the workload's length), and summarises: hit ratio, computed tokens, prefill throughput, TTFT percentiles, pool usage, and —
 with ``--verify N`` — how far the cached answers are from answers computed without the cache.
 
 The summary is a :class:`ReplaySummary`; ``to_json()`` is the stable machine-readable form
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import platform
 import time
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,6 +32,7 @@ from .ownership import page_span
 from .workloads import DEFAULT_VOCAB_SIZE, Request, load_workload
 
 SUMMARY_SCHEMA = 1
+MAX_ERRORS_KEPT = 20  # failed requests whose messages a summary keeps (all are counted)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class ReplayConfig:
     verify: int = 0
     on_error: str = "stop"
     seed: int = 0
+    lookahead: int | None = None  # requests read ahead of the engine; None: 2 x max_batch_requests
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -62,6 +67,11 @@ class ReplayConfig:
             raise ConfigError(f"--verify takes a number of requests >= 0, got {self.verify}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be >= 1, got {self.limit}")
+        if self.lookahead is not None and self.lookahead < self.engine.max_batch_requests:
+            raise ConfigError(
+                f"--lookahead ({self.lookahead}) must be >= --max-batch-requests "
+                f"({self.engine.max_batch_requests}), or the engine could never fill a batch"
+            )
 
 
 @dataclass
@@ -172,8 +182,8 @@ def build_compute(cfg: ReplayConfig) -> Compute:
     return ModelCompute(model, next(model.parameters()).dtype)
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
+def _percentiles(values: Sequence[float]) -> dict[str, float]:
+    if not len(values):
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
     q = np.percentile(np.array(values) * 1e3, [50, 90, 99])
     return {
@@ -183,52 +193,134 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     }
 
 
-def verify_sample(num_requests: int, verify: int, seed: int) -> set[int]:
-    """Which request indices ``--verify`` recomputes: a seeded sample, the same on every run."""
-    k = min(verify, num_requests)
-    rng = np.random.default_rng(seed)
-    return {int(i) for i in rng.choice(num_requests, size=k, replace=False)}
+class VerifySample:
+    """Which requests ``--verify`` recomputes: a uniform random sample of ``size`` of them, drawn
+    while they stream by, without knowing how many there will be.
+
+    Reservoir sampling (Vitter's Algorithm R) over a ``numpy`` generator seeded with ``seed``: the
+    first ``size`` requests fill the sample; request ``i`` (0-based) after them replaces a uniform
+    slot with probability ``size / (i + 1)``. The sample depends only on the seed and the request
+    order, so it is the same on every run, and it holds at most ``size`` requests and their
+    results. A chosen request's id goes into the engine's ``keep_logits`` and comes out again when
+    it is replaced.
+    """
+
+    def __init__(self, size: int, seed: int, keep_logits: set[int]) -> None:
+        self.size = size
+        self._rng = np.random.default_rng(seed)
+        self._seen = 0
+        self._keep = keep_logits
+        self.requests: dict[int, Request] = {}  # rid -> request, at most `size` of them
+        self._slots: list[int] = []  # rids, one per reservoir slot
+        self.finished: dict[int, Finished] = {}  # results of sampled requests, once they finish
+
+    def offer(self, request: Request) -> None:
+        """Consider the next request of the stream (before it is added to the engine)."""
+        i, self._seen = self._seen, self._seen + 1
+        if self.size == 0:
+            return
+        if len(self._slots) < self.size:
+            slot = len(self._slots)
+            self._slots.append(request.rid)
+        else:
+            slot = int(self._rng.integers(0, i + 1))
+            if slot >= self.size:
+                return
+            old = self._slots[slot]
+            self._keep.discard(old)
+            del self.requests[old]
+            self.finished.pop(old, None)
+            self._slots[slot] = request.rid
+        self.requests[request.rid] = request
+        self._keep.add(request.rid)
+
+    def collect(self, finished: Finished) -> None:
+        """Keep ``finished`` if its request is in the sample."""
+        if finished.rid in self.requests:
+            self.finished[finished.rid] = finished
+
+
+@dataclass
+class _Tally:
+    """The aggregates a summary needs, so that no finished request has to be kept."""
+
+    requests: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    ttft_s: array[float] = field(default_factory=lambda: array("d"))  # 8 bytes per request
+    errors: list[str] = field(default_factory=list)  # the first MAX_ERRORS_KEPT
+
+    def add(self, f: Finished) -> None:
+        self.requests += 1
+        if f.error is not None:
+            self.failed += 1
+            if len(self.errors) < MAX_ERRORS_KEPT:
+                self.errors.append(f.error)
+            return
+        self.prompt_tokens += f.prompt_len
+        self.cached_tokens += f.cached_len
+        self.computed_tokens += f.computed_len
+        self.ttft_s.append(f.ttft_s)
 
 
 def run_replay(
     cfg: ReplayConfig, progress: bool = True, compute: Compute | None = None
 ) -> ReplaySummary:
-    """Replay ``cfg.workload`` and return the summary (also used by tests and benchmarks)."""
+    """Replay ``cfg.workload`` and return the summary (also used by tests and benchmarks).
+
+    The workload streams: at most ``cfg.lookahead`` requests (default twice
+    ``max_batch_requests``) are read ahead of the engine, counting those waiting and running, and
+    a finished request is folded into the summary's aggregates and dropped. Memory therefore
+    holds the cache plus the requests in flight, whatever the workload's length.
+    """
     compute = compute or build_compute(cfg)
     workload = load_workload(
         cfg.workload, limit=cfg.limit, vocab_size=compute.vocab_size, on_error=cfg.on_error
     )
-    requests = workload.requests
-    if not requests:
-        raise ConfigError(f"workload {cfg.workload!r} has no requests")
     engine = Engine(compute, cfg.engine)
-    sampled = verify_sample(len(requests), cfg.verify, cfg.seed)
-    engine.keep_logits = {requests[i].rid for i in sampled}
-    for request in requests:
-        engine.add(request)
-
-    finished: list[Finished] = []
-    start = time.perf_counter()
+    sample = VerifySample(cfg.verify, cfg.seed, engine.keep_logits)
+    tally = _Tally()
+    lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
+    requests: Iterator[Request] | None = iter(workload)
+    in_flight = 0  # added to the engine and not finished yet
+    seconds = 0.0  # engine time only: reading or generating the workload is not prefill
     with tqdm(
-        total=len(requests), desc="replay", unit="req", disable=not progress, leave=False
+        total=workload.num_requests, desc="replay", unit="req", disable=not progress, leave=False
     ) as bar:
-        while engine.has_work():
+        while True:
+            while requests is not None and in_flight < lookahead:
+                request = next(requests, None)
+                if request is None:
+                    requests = None
+                    break
+                sample.offer(request)
+                engine.add(request)
+                in_flight += 1
+            if not engine.has_work():
+                break
+            start = time.perf_counter()
             done = engine.step()
-            finished.extend(done)
+            seconds += time.perf_counter() - start
+            in_flight -= len(done)
+            for f in done:
+                tally.add(f)
+                sample.collect(f)
             bar.update(len(done))
-    seconds = time.perf_counter() - start
+    if not tally.requests:
+        raise ConfigError(f"workload {cfg.workload!r} has no requests")
 
-    ok = [f for f in finished if f.error is None]
-    by_rid = {r.rid: r for r in requests}
-    verify = _verify(cfg, compute, [f for f in ok if f.rid in engine.keep_logits], by_rid, progress)
+    sampled = [f for f in sample.finished.values() if f.error is None]
+    verify = _verify(cfg, compute, sampled, sample.requests, progress)
     return ReplaySummary(
-        requests=len(finished),
-        failed=len(finished) - len(ok),
-        prompt_tokens=sum(f.prompt_len for f in ok),
-        cached_tokens=sum(f.cached_len for f in ok),
-        computed_tokens=sum(f.computed_len for f in ok),
+        requests=tally.requests,
+        failed=tally.failed,
+        prompt_tokens=tally.prompt_tokens,
+        cached_tokens=tally.cached_tokens,
+        computed_tokens=tally.computed_tokens,
         seconds=seconds,
-        ttft_ms=_percentiles([f.ttft_s for f in ok]),
+        ttft_ms=_percentiles(tally.ttft_s),
         pool_pages=engine.allocator.num_pages,
         pool_pages_used_peak=engine.peak_pages_used,
         pool_pages_cached_end=engine.tree.num_pages,
@@ -237,7 +329,7 @@ def run_replay(
         config={
             "workload": workload.source,
             "limit": cfg.limit,
-            "skipped_lines": len(workload.skipped),
+            "skipped_lines": workload.num_skipped,
             "model": cfg.model,
             "dtype": str(next(iter(compute.layout.payloads)).dtype),
             "vocab_size": compute.vocab_size,
@@ -246,13 +338,14 @@ def run_replay(
             "chunk_size": cfg.engine.chunk_size,
             "max_batch_tokens": cfg.engine.max_batch_tokens,
             "max_batch_requests": cfg.engine.max_batch_requests,
+            "lookahead": lookahead,
             "eviction": cfg.engine.eviction,
             "device": cfg.engine.device,
             "kv_width": cfg.kv_width if cfg.model == "none" else None,
             "verify": cfg.verify,
             "seed": cfg.seed,
         },
-        errors=[f.error for f in finished if f.error][:20],
+        errors=tally.errors,
     )
 
 

@@ -21,20 +21,29 @@ Every source is deterministic and yields :class:`Request` objects (uint32 token 
   sessions over four shared system prompts; the default of ``kvstrata replay``, small enough to
   run through a tiny model on CPU in seconds.
 
-:func:`load_workload` resolves a command-line spec (``builtin``, ``synthetic[:SEED[:N]]`` or a path
-to a ``.jsonl`` trace) into a :class:`Workload`.
+* **Agentic** (:mod:`kvstrata.agentic`): long agentic coding sessions that grow by tool outputs,
+  fork sub-agents and overlap by the hundred, generated lazily.
+
+:func:`load_workload` resolves a command-line spec (``builtin``, ``synthetic[:SEED[:N]]``,
+``agentic[:SEED[:N]]`` or a path to a ``.jsonl`` trace) into a :class:`Workload`. A workload is
+*streamed*: iterating it reads (or generates) one request at a time, so a replay holds the requests
+in flight, never the whole workload; a trace of any length is never loaded whole.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeGuard
+from typing import BinaryIO, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
 
+from . import agentic as _agentic
 from . import synthetic as _synthetic
 from .errors import ConfigError, InvalidTokensError, WorkloadError
 
@@ -43,6 +52,10 @@ TokenArray = npt.NDArray[np.uint32]
 DEFAULT_VOCAB_SIZE = 128_256  # Llama 3's vocabulary, also the shared synthetic generator's
 MOONCAKE_BLOCK_TOKENS = 512
 ON_ERROR = ("stop", "skip")
+#: Skipped trace lines a workload keeps with their reasons (every one is counted).
+MAX_SKIPPED_KEPT = 100
+#: Expanded Mooncake blocks kept for reuse, least recently used out first (8 MiB of 512-token blocks).
+BLOCK_CACHE_BLOCKS = 4096
 _TRACE_FIELDS = ("timestamp", "input_length", "hash_ids")
 
 # The built-in workload's shape; see builtin().
@@ -85,13 +98,42 @@ class SkippedLine:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
 class Workload:
-    """A loaded workload: where it came from, its requests, and the trace lines skipped (if any)."""
+    """A workload, read lazily: iterating it yields its requests in order, each read (or generated)
+    only when asked for, so nothing here grows with the workload's length.
 
-    source: str
-    requests: list[Request]
-    skipped: tuple[SkippedLine, ...] = ()
+    Every iteration starts over (a trace is read again from its first line) and resets
+    :attr:`num_skipped` and :attr:`skipped`: the trace lines ``on_error="skip"`` left out so far,
+    the first :data:`MAX_SKIPPED_KEPT` of them with their reasons. A malformed line with
+    ``on_error="stop"`` raises :class:`WorkloadError` from the iteration when it is reached.
+    ``num_requests`` is the number of requests when it is known without reading them (generated
+    workloads), else None.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        open_requests: Callable[[Callable[[SkippedLine], None]], Iterator[Request]],
+        *,
+        limit: int | None = None,
+        num_requests: int | None = None,
+    ) -> None:
+        self.source = source
+        self.limit = limit
+        self.num_requests = num_requests
+        self.num_skipped = 0
+        self.skipped: list[SkippedLine] = []
+        self._open = open_requests
+
+    def __iter__(self) -> Iterator[Request]:
+        self.num_skipped = 0
+        self.skipped = []
+        return itertools.islice(self._open(self._skip), self.limit)
+
+    def _skip(self, line: SkippedLine) -> None:
+        self.num_skipped += 1
+        if len(self.skipped) < MAX_SKIPPED_KEPT:
+            self.skipped.append(line)
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -122,18 +164,24 @@ def _raw_to_tokens(raw: npt.NDArray[np.uint64], vocab_size: int) -> TokenArray:
 
 
 class _BlockExpander:
-    """Expands trace hash ids into tokens, caching each id's block (ids repeat heavily in traces)."""
+    """Expands trace hash ids into tokens, keeping the ``max_blocks`` blocks used most recently
+    (ids repeat heavily in traces; a block dropped is simply generated again, identically)."""
 
-    def __init__(self, vocab_size: int, block_tokens: int) -> None:
+    def __init__(self, vocab_size: int, block_tokens: int, max_blocks: int) -> None:
         self.vocab_size = vocab_size
         self.block_tokens = block_tokens
-        self._blocks: dict[int, TokenArray] = {}
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[int, TokenArray] = OrderedDict()
 
     def block(self, hash_id: int) -> TokenArray:
         tokens = self._blocks.get(hash_id)
-        if tokens is None:
-            raw = np.random.PCG64(hash_id).random_raw(self.block_tokens)
-            tokens = self._blocks[hash_id] = _raw_to_tokens(raw, self.vocab_size)
+        if tokens is not None:
+            self._blocks.move_to_end(hash_id)
+            return tokens
+        raw = np.random.PCG64(hash_id).random_raw(self.block_tokens)
+        tokens = self._blocks[hash_id] = _raw_to_tokens(raw, self.vocab_size)
+        if len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
         return tokens
 
     def expand(self, hash_ids: list[int], input_length: int) -> TokenArray:
@@ -183,40 +231,49 @@ def load_mooncake(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     on_error: str = "stop",
+    block_cache_blocks: int = BLOCK_CACHE_BLOCKS,
 ) -> Workload:
-    """Load a Mooncake JSONL trace (see the module docstring for how hash ids become tokens).
+    """A Mooncake JSONL trace as a streamed workload (see the module docstring for how hash ids
+    become tokens).
 
-    Reads requests in file order until ``limit`` requests are loaded (all when ``None``). Blank lines
-    are ignored. A malformed line raises :class:`WorkloadError` naming ``path:line`` and what is
-    wrong when ``on_error="stop"``; with ``on_error="skip"`` it is left out and recorded in
-    :attr:`Workload.skipped`. Request ids stay dense (0, 1, 2, ...) either way.
+    The file is read one line at a time while the workload is iterated, up to ``limit`` requests
+    (all when ``None``); only ``block_cache_blocks`` expanded blocks are kept. Blank lines are
+    ignored. A malformed line raises :class:`WorkloadError` naming ``path:line`` and what is wrong
+    when the iteration reaches it (``on_error="stop"``); with ``on_error="skip"`` it is left out
+    and counted in :attr:`Workload.num_skipped`. Request ids stay dense (0, 1, 2, ...) either way.
+    A file that cannot be opened raises here, before any iteration.
     """
     _check_load_args(limit, vocab_size, on_error)
     _check_positive("block_tokens", block_tokens)
+    _check_positive("block_cache_blocks", block_cache_blocks)
     path = Path(path)
+    _open_trace(path).close()
+
+    def read(skip: Callable[[SkippedLine], None]) -> Iterator[Request]:
+        expander = _BlockExpander(vocab_size, block_tokens, block_cache_blocks)
+        with _open_trace(path) as file:
+            rid = 0
+            for line_no, line in enumerate(file, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    timestamp, input_length, hash_ids = _parse_line(line, block_tokens)
+                except _BadLine as e:
+                    if on_error == "stop":
+                        raise WorkloadError(f"{path}:{line_no}: {e}") from None
+                    skip(SkippedLine(line_no, str(e)))
+                    continue
+                yield Request(rid, expander.expand(hash_ids, input_length), timestamp)
+                rid += 1
+
+    return Workload(str(path), read, limit=limit)
+
+
+def _open_trace(path: Path) -> BinaryIO:
     try:
-        file = path.open("rb")
+        return path.open("rb")
     except OSError as e:
         raise WorkloadError(f"cannot open trace {path}: {e.strerror}") from e
-    expander = _BlockExpander(vocab_size, block_tokens)
-    requests: list[Request] = []
-    skipped: list[SkippedLine] = []
-    with file:
-        for line_no, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                timestamp, input_length, hash_ids = _parse_line(line, block_tokens)
-            except _BadLine as e:
-                if on_error == "stop":
-                    raise WorkloadError(f"{path}:{line_no}: {e}") from None
-                skipped.append(SkippedLine(line_no, str(e)))
-                continue
-            tokens = expander.expand(hash_ids, input_length)
-            requests.append(Request(len(requests), tokens, timestamp))
-            if len(requests) == limit:
-                break
-    return Workload(str(path), requests, tuple(skipped))
 
 
 def synthetic(
@@ -237,13 +294,32 @@ def synthetic(
             f"accepted: {', '.join(sorted(_synthetic.DEFAULTS))}"
         )
     _check_vocab_size(params.get("vocab", _synthetic.DEFAULTS["vocab"]))
-    requests = []
+    return list(_synthetic_requests(seed, n_requests, vocab_size, params))
+
+
+def _synthetic_requests(
+    seed: int, n_requests: int, vocab_size: int | None, params: dict[str, float]
+) -> Iterator[Request]:
+    # The shared generator returns its lists all at once (14 M tokens at its default 2,000
+    # requests); the arrays are made one at a time.
     for rid, token_list in enumerate(_synthetic.generate(seed, n_requests, **params)):
         tokens = np.array(token_list, dtype=np.uint32)
         if vocab_size is not None:
             tokens %= np.uint32(vocab_size)
-        requests.append(Request(rid, tokens))
-    return requests
+        yield Request(rid, tokens)
+
+
+def agentic(
+    seed: int = 0,
+    n_requests: int = _agentic.DEFAULT_REQUESTS,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    shape: _agentic.AgenticShape | None = None,
+) -> Iterator[Request]:
+    """The agentic coding workload (:mod:`kvstrata.agentic`) as requests, generated lazily."""
+    _check_positive("n_requests", n_requests)
+    _check_vocab_size(vocab_size)
+    for rid, r in enumerate(_agentic.generate(seed, n_requests, vocab_size, shape)):
+        yield Request(rid, r.tokens, r.arrival_ms)
 
 
 def builtin(vocab_size: int, *, seed: int = 0, n_requests: int = BUILTIN_REQUESTS) -> list[Request]:
@@ -305,23 +381,29 @@ def load_workload(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     on_error: str = "stop",
 ) -> Workload:
-    """Resolve a workload spec: ``builtin``, ``synthetic[:SEED[:N]]`` or a path to a ``.jsonl`` trace.
+    """Resolve a workload spec: ``builtin``, ``synthetic[:SEED[:N]]``, ``agentic[:SEED[:N]]`` or a
+    path to a ``.jsonl`` trace, as a streamed :class:`Workload`.
 
     ``limit`` caps the number of requests (the first ``limit`` of the workload); ``on_error``
     applies to traces (see :func:`load_mooncake`). An unknown spec raises :class:`WorkloadError`.
     """
     _check_load_args(limit, vocab_size, on_error)
     if spec == "builtin":
-        n_requests = BUILTIN_REQUESTS if limit is None else min(BUILTIN_REQUESTS, limit)
-        return Workload(spec, builtin(vocab_size, n_requests=n_requests))
+        n = BUILTIN_REQUESTS if limit is None else min(BUILTIN_REQUESTS, limit)
+        return Workload(spec, lambda _: iter(builtin(vocab_size, n_requests=n)), num_requests=n)
     if spec == "synthetic" or spec.startswith("synthetic:"):
-        seed, n_requests = _parse_synthetic_spec(spec)
-        if limit is not None:
-            n_requests = min(n_requests, limit)
-        return Workload(spec, synthetic(seed, n_requests, vocab_size))
+        seed, n = _parse_synthetic_spec(spec)
+        n = n if limit is None else min(n, limit)
+        return Workload(
+            spec, lambda _: _synthetic_requests(seed, n, vocab_size, {}), num_requests=n
+        )
+    if spec == "agentic" or spec.startswith("agentic:"):
+        seed, n = _agentic.parse_spec(spec)
+        n = n if limit is None else min(n, limit)
+        return Workload(spec, lambda _: agentic(seed, n, vocab_size), num_requests=n)
     if spec.endswith(".jsonl"):
         return load_mooncake(spec, limit=limit, vocab_size=vocab_size, on_error=on_error)
     raise WorkloadError(
-        f"unknown workload {spec!r}: expected builtin, synthetic, synthetic:SEED, "
-        "synthetic:SEED:N, or a path to a Mooncake .jsonl trace"
+        f"unknown workload {spec!r}: expected builtin, synthetic[:SEED[:N]], agentic[:SEED[:N]], "
+        "or a path to a Mooncake .jsonl trace"
     )

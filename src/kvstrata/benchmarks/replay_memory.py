@@ -1,0 +1,126 @@
+"""Replay memory (``kvstrata bench memory``): does a streamed replay's peak RSS grow with the trace?
+
+For each size N in ``--sizes`` it runs two child processes on ``agentic:SEED:N``:
+
+* ``replay`` — ``kvstrata replay --model none --trace agentic:SEED:N`` with the given cache
+  (``--l1-tokens``, ``--kv-width``) and any ``--replay-args``;
+* ``stream`` — the same workload iterated with no engine: the workload side alone, which must not
+  grow with N.
+
+Each child's own peak RSS comes from ``os.wait4`` (the per-child form of
+``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss``, which would report the largest child so far),
+in MiB (Linux reports KiB). Requests/s is over the child's wall time, start-up included; the hit
+ratio comes from the replay's JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+_STREAM = (
+    "import sys\n"
+    "from kvstrata.workloads import load_workload\n"
+    "print(sum(1 for _ in load_workload(sys.argv[1])))\n"
+)
+
+
+@dataclass(frozen=True)
+class ChildRun:
+    mode: str
+    requests: int
+    peak_rss_mib: float
+    wall_s: float
+    hit_ratio: float | None
+    prompt_tokens: int | None
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def run_child(argv: list[str]) -> tuple[float, float, str]:
+    """Run ``argv``; return its peak RSS (MiB), wall seconds and output. Raises
+    ``RuntimeError`` with the output's tail when it fails."""
+    with tempfile.TemporaryFile() as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{text[-2000:]}")
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return usage.ru_maxrss * scale / 2**20, wall, text
+
+
+def measure(spec: str, n: int, replay_args: list[str]) -> list[ChildRun]:
+    rss, wall, text = run_child([sys.executable, "-c", _STREAM, spec])
+    runs = [ChildRun("stream", int(text.split()[-1]), rss, wall, None, None)]
+    argv = [sys.executable, "-m", "kvstrata.cli", "replay", "--model", "none", "--trace", spec]
+    rss, wall, text = run_child([*argv, *replay_args, "--json", "--no-progress"])
+    summary = json.loads(text.strip().splitlines()[-1])
+    runs.append(
+        ChildRun(
+            "replay", summary["requests"], rss, wall, summary["hit_ratio"], summary["prompt_tokens"]
+        )
+    )
+    assert runs[0].requests == runs[1].requests == n, (runs, n)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvstrata bench memory",
+        description="Peak RSS of `kvstrata replay --model none --trace agentic:SEED:N` and of "
+        "the workload streamed alone, at several N: neither may grow with N beyond the cache.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=[5_000, 20_000])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--l1-tokens", type=int, default=4_194_304, help="the replay's cache")
+    parser.add_argument("--kv-width", type=int, default=4, help="synthetic KV bytes per token")
+    parser.add_argument(
+        "--replay-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="anything else for kvstrata replay (everything after this flag)",
+    )
+    args = parser.parse_args(argv)
+    replay_args = [
+        "--l1-tokens",
+        str(args.l1_tokens),
+        "--kv-width",
+        str(args.kv_width),
+        *args.replay_args,
+    ]
+    runs: list[ChildRun] = []
+    for n in args.sizes:
+        runs.extend(measure(f"agentic:{args.seed}:{n}", n, replay_args))
+    print(f"replay args: {' '.join(replay_args)}")
+    print(
+        f"{'mode':<7} {'requests':>9} {'prompt tokens':>15} {'peak RSS MiB':>13} "
+        f"{'wall s':>8} {'req/s':>8} {'hit ratio':>9}"
+    )
+    for r in runs:
+        tokens = f"{r.prompt_tokens:,}" if r.prompt_tokens is not None else "-"
+        hit = f"{r.hit_ratio:.4f}" if r.hit_ratio is not None else "-"
+        print(
+            f"{r.mode:<7} {r.requests:>9,} {tokens:>15} {r.peak_rss_mib:>13,.1f} "
+            f"{r.wall_s:>8.1f} {r.requests_per_s:>8.1f} {hit:>9}"
+        )
+    rows = [{**asdict(r), "requests_per_s": round(r.requests_per_s, 2)} for r in runs]
+    print(json.dumps({"bench": "replay_memory", "replay_args": replay_args, "runs": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
