@@ -18,8 +18,8 @@ The shape (:class:`AgenticShape`, defaults):
   (200-2,000 tokens). Sub-agents do not delegate further.
 * **Time.** ``arrival_ms`` is each request's arrival. A session's next request comes after the
   agent's reply (25 ms per reply token) and the tool's run (50 ms-20 s), plus, 10 % of the time, a
-  human think gap (5 s-5 min). 256 sessions are open at once: the first ones start spread over 10
-  minutes, and each one that ends is replaced by a new one 1-60 s later. Requests come out in
+  human think gap (5 s-5 min). 256 sessions are open at once: the first ones start spread over one
+  minute, and each one that ends is replaced by a new one 1-60 s later. Requests come out in
   arrival order (ties: the one scheduled first).
 
 Sizes and durations within a range are log-uniform (many small, a few large), except the target
@@ -78,7 +78,7 @@ class AgenticShape:
     tool_ms: Range = (50, 20_000)
     think_probability: float = 0.10
     think_ms: Range = (5_000, 300_000)
-    start_spread_ms: int = 600_000
+    start_spread_ms: int = 60_000
     restart_ms: Range = (1_000, 60_000)
 
     def __post_init__(self) -> None:

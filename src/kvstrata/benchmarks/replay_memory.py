@@ -9,7 +9,7 @@ For each size N in ``--sizes`` it runs two child processes on ``agentic:SEED:N``
 
 Each child's own peak RSS comes from ``os.wait4`` (the per-child form of
 ``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss``, which would report the largest child so far),
-in MiB (Linux reports KiB). Requests/s is over the child's wall time, start-up included; the hit
+in MiB, measured through a small launcher (see :func:`run_child`). Requests/s is over the child's wall time, start-up included; the hit
 ratio comes from the replay's JSON summary.
 """
 
@@ -45,21 +45,40 @@ class ChildRun:
         return self.requests / self.wall_s if self.wall_s > 0 else 0.0
 
 
+# Linux charges a process with the peak RSS of the process image it replaced at exec, so a child
+# forked straight from a large parent (a test runner with torch loaded) reports at least the
+# parent's size. Children are therefore started from this small launcher, which reports the
+# child's own ru_maxrss (from os.wait4) in a file.
+_LAUNCHER = (
+    "import os, sys\n"
+    "pid = os.posix_spawnp(sys.argv[2], sys.argv[2:], os.environ)\n"
+    "_, status, usage = os.wait4(pid, 0)\n"
+    "with open(sys.argv[1], 'w') as f:\n"
+    "    f.write(str(usage.ru_maxrss))\n"
+    "sys.exit(os.waitstatus_to_exitcode(status))\n"
+)
+
+
 def run_child(argv: list[str]) -> tuple[float, float, str]:
-    """Run ``argv``; return its peak RSS (MiB), wall seconds and output. Raises
-    ``RuntimeError`` with the output's tail when it fails."""
-    with tempfile.TemporaryFile() as out:
+    """Run ``argv``; return its own peak RSS (MiB), wall seconds and output (stdout and stderr).
+    Raises ``RuntimeError`` with the output's tail when it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rss_file = os.path.join(tmp, "maxrss")
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER, rss_file, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
         wall = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        text = out.read().decode(errors="replace")
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{text[-2000:]}")
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-2000:]}")
+        with open(rss_file) as f:
+            maxrss = int(f.read())
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    return usage.ru_maxrss * scale / 2**20, wall, text
+    return maxrss * scale / 2**20, wall, proc.stdout
 
 
 def measure(spec: str, n: int, replay_args: list[str]) -> list[ChildRun]:
