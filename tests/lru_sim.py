@@ -22,8 +22,8 @@ Eviction, two variants:
   always the unlocked leaf page with the oldest clock. Pages of one radix node share their clock
   and form a chain, so this trims the least recently used leaf node from its tail (the valid tail
   first); an emptied node's parent may then be the oldest leaf.
-* ``"whole_leaf"`` — today's tree: remove whole least recently used leaf *nodes* until at least the
-  deficit is free. Node boundaries depend on history, so this variant also tracks where the radix
+* ``"whole_leaf"`` — today's tree: remove whole least recently used leaf *nodes* until at least
+  the deficit is free. Node boundaries depend on history, so this variant also tracks where the radix
   tree has split: a new leaf starts a node, and a match (or insert) that ends inside a node splits
   it there. It reproduces one more detail of today's tree: an insert records its access on whole
   nodes, so the rest of a node that the request's last page shares gets the clock too.

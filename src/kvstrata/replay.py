@@ -3,8 +3,9 @@
 Builds the compute (a model preset or checkpoint, or ``none`` for cache-only replay with synthetic
 payloads), streams the workload's requests into the :class:`~kvstrata.engine.Engine` in order, a
 bounded look-ahead window at a time (a finished request is folded into running totals and dropped,
-so memory does not grow with the workload's length), and summarises: hit ratio, computed tokens, prefill throughput, TTFT percentiles, pool usage, and —
-with ``--verify N`` — how far the cached answers are from answers computed without the cache.
+so memory does not grow with the workload's length), and summarises: hit ratio, computed tokens,
+prefill throughput, TTFT percentiles, pool usage, and — with ``--verify N`` — how far the cached
+answers are from answers computed without the cache.
 
 The summary is a :class:`ReplaySummary`; ``to_json()`` is the stable machine-readable form
 (``SUMMARY_SCHEMA`` versions it).

@@ -54,7 +54,7 @@ MOONCAKE_BLOCK_TOKENS = 512
 ON_ERROR = ("stop", "skip")
 #: Skipped trace lines a workload keeps with their reasons (every one is counted).
 MAX_SKIPPED_KEPT = 100
-#: Expanded Mooncake blocks kept for reuse, least recently used out first (8 MiB of 512-token blocks).
+#: Expanded Mooncake blocks kept for reuse, least recently used out first (8 MiB at 512 tokens).
 BLOCK_CACHE_BLOCKS = 4096
 _TRACE_FIELDS = ("timestamp", "input_length", "hash_ids")
 

@@ -9,8 +9,8 @@ For each size N in ``--sizes`` it runs two child processes on ``agentic:SEED:N``
 
 Each child's own peak RSS comes from ``os.wait4`` (the per-child form of
 ``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss``, which would report the largest child so far),
-in MiB, measured through a small launcher (see :func:`run_child`). Requests/s is over the child's wall time, start-up included; the hit
-ratio comes from the replay's JSON summary.
+in MiB, measured through a small launcher (see :func:`run_child`). Requests/s is over the child's
+wall time, start-up included; the hit ratio comes from the replay's JSON summary.
 """
 
 from __future__ import annotations
