@@ -194,9 +194,11 @@ class LRUSim:
             leaf = self._pop_oldest_leaf()
             victims = [leaf]
             if self.whole_leaf:
-                while not victims[-1].starts_node:
-                    victims.append(victims[-1].parent)  # type: ignore[arg-type]
-                assert all(v.clock == leaf.clock and v.locks == 0 for v in victims), "node clock"
+                while not victims[-1].starts_node:  # up to the first page of the leaf node
+                    parent = victims[-1].parent
+                    assert parent is not None
+                    victims.append(parent)
+                assert all(v.clock == leaf.clock for v in victims), "a node's pages share a clock"
             for page in victims:
                 self._remove(page)
             freed += len(victims)

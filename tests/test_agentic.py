@@ -31,7 +31,7 @@ def digest(requests: list[AgenticRequest]) -> str:
 
 @pytest.fixture(scope="module")
 def head() -> list[AgenticRequest]:
-    """The first 3,000 requests of seed 0 with the default shape (about 100 M tokens)."""
+    """The first 3,000 requests of seed 0 with the default shape (about 140 M tokens)."""
     return list(generate(0, 3000, 128_256))
 
 
@@ -77,6 +77,11 @@ def test_lazy_and_read_only() -> None:
 
 
 def test_sessions_grow_by_turns_and_share_the_system_prompt(head: list[AgenticRequest]) -> None:
+    first: dict[int, int] = {}
+    for r in head:
+        first.setdefault(r.session, r.tokens.size)
+    # Sessions under way when the trace begins are well past a fresh session's 8,300-19,000.
+    assert np.median([first[s] for s in range(SHAPE.sessions)]) > 25_000
     system = head[0].tokens[: SHAPE.system_tokens]
     last: dict[int, np.ndarray] = {}
     increments = []
@@ -122,10 +127,10 @@ def test_hundreds_of_sessions_overlap_and_most_tokens_repeat(head: list[AgenticR
     t = head[len(head) // 2].arrival_ms
     open_at_t = sum(lo <= t <= hi for lo, hi in span.values())
     assert 150 <= open_at_t <= 2 * SHAPE.sessions
-    # The head is mostly young sessions (their first requests repeat least): over 20,000
-    # requests the ideal hit ratio is 0.97 (README, "Workloads").
+    # The head holds the first request of every session under way when the trace begins, most
+    # of it never sent before: over 20,000 requests the ideal hit ratio is 0.97 (README).
     stats = describe(Request(i, r.tokens) for i, r in enumerate(head))
-    assert stats.ideal_hit_ratio > 0.93
+    assert stats.ideal_hit_ratio > 0.9
     last: dict[int, int] = {}
     resent = []
     for r in head:

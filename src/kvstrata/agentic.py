@@ -18,9 +18,12 @@ The shape (:class:`AgenticShape`, defaults):
   (200-2,000 tokens). Sub-agents do not delegate further.
 * **Time.** ``arrival_ms`` is each request's arrival. A session's next request comes after the
   agent's reply (25 ms per reply token) and the tool's run (50 ms-20 s), plus, 10 % of the time, a
-  human think gap (5 s-5 min). 256 sessions are open at once: the first ones start spread over one
-  minute, and each one that ends is replaced by a new one 1-60 s later. Requests come out in
-  arrival order (ties: the one scheduled first).
+  human think gap (5 s-5 min). 256 sessions are open at once: the first ones send their next
+  request within the first minute, and each one that ends is replaced by a new one 1-60 s later.
+  Requests come out in arrival order (ties: the one scheduled first).
+* **No warm-up.** The sessions open when the trace begins are already under way: each has run a
+  uniform share of its way to its target (turns drawn as above, sent before the trace began), so
+  the workload looks the same from its first request on, whatever ``N``.
 
 Sizes and durations within a range are log-uniform (many small, a few large), except the target
 length (uniform). ``kvstrata bench workload --trace agentic`` measures the resulting statistics.
@@ -40,6 +43,7 @@ import bisect
 import heapq
 import itertools
 import math
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
@@ -79,6 +83,7 @@ class AgenticShape:
     think_probability: float = 0.10
     think_ms: Range = (5_000, 300_000)
     start_spread_ms: int = 60_000
+    start_under_way: bool = True  # the first sessions have run part of the way to their target
     restart_ms: Range = (1_000, 60_000)
 
     def __post_init__(self) -> None:
@@ -87,6 +92,9 @@ class AgenticShape:
             if f.name.endswith("_weights"):
                 if len(value) == 0 or min(value) < 0 or not math.isclose(sum(value), 1.0):
                     raise ConfigError(f"{f.name} must be weights >= 0 summing to 1, got {value}")
+            elif f.name == "start_under_way":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"start_under_way must be a bool, got {value!r}")
             elif f.name.endswith("_probability"):
                 if not 0.0 <= value <= 1.0:
                     raise ConfigError(f"{f.name} must lie in [0, 1], got {value}")
@@ -143,19 +151,26 @@ class AgenticRequest(NamedTuple):
     parent: int
 
 
+def _token_buffer(num_tokens: int) -> TokenArray:
+    """A uint32 array in its own anonymous memory map: capacity never written costs no memory,
+    and the whole map goes back to the OS once the last view of it is gone (a heap allocation
+    of this size would leave its pages behind in the allocator, and RSS would creep)."""
+    return np.frombuffer(mmap.mmap(-1, 4 * max(num_tokens, 1)), dtype=np.uint32)
+
+
 class _Context:
     """A session's tokens so far, in an array that grows by half when full."""
 
     __slots__ = ("buf", "length")
 
     def __init__(self, capacity: int) -> None:
-        self.buf: TokenArray = np.empty(max(capacity, 1), dtype=np.uint32)
+        self.buf: TokenArray = _token_buffer(capacity)
         self.length = 0
 
     def extend(self, tokens: TokenArray) -> None:
         end = self.length + tokens.size
         if end > self.buf.size:
-            grown = np.empty(max(end, self.buf.size * 3 // 2), dtype=np.uint32)
+            grown = _token_buffer(max(end, self.buf.size * 3 // 2))
             grown[: self.length] = self.buf[: self.length]
             self.buf = grown
         # Only [length, end) is written: every view handed out before stays unchanged.
@@ -218,7 +233,7 @@ def generate(
     def schedule(at_ms: int, session: _Session) -> None:
         heapq.heappush(heap, (at_ms, next(order), session))
 
-    def open_session(at_ms: int) -> None:
+    def open_session(at_ms: int, under_way: bool = False) -> None:
         target = int(rng.integers(shape.target_tokens[0], shape.target_tokens[1] + 1))
         # Room for the whole session up front (a delegation message may pass the target): one
         # array per session, whose untouched tail costs no memory until written.
@@ -226,6 +241,10 @@ def generate(
         context.extend(system)
         context.extend(toolsets[pick(toolset_cum)])
         context.extend(fresh(log_uniform(shape.task_tokens)))
+        if under_way:  # the turns it ran before the trace began
+            stop = context.length + int(rng.random() * max(0, target - context.length))
+            while context.length + (tokens := turn_tokens()).size <= stop:
+                context.extend(tokens)
         schedule(at_ms, _Session(next(session_ids), None, context, target, -1))
 
     def fork(parent: _Session, at_ms: int) -> None:
@@ -246,7 +265,8 @@ def generate(
             schedule(at_ms + gap_ms(), parent)
 
     for _ in range(shape.sessions):
-        open_session(int(rng.integers(0, shape.start_spread_ms + 1)))
+        at_ms = int(rng.integers(0, shape.start_spread_ms + 1))
+        open_session(at_ms, under_way=shape.start_under_way)
     emitted = 0
     while emitted < n_requests:
         now, _, session = heapq.heappop(heap)

@@ -105,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=[5_000, 20_000])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--l1-tokens", type=int, default=4_194_304, help="the replay's cache")
+    parser.add_argument(
+        "--l1-tokens",
+        type=int,
+        default=16_777_216,
+        help="the replay's cache: holds most of the 256 open sessions, so most tokens hit",
+    )
     parser.add_argument("--kv-width", type=int, default=4, help="synthetic KV bytes per token")
     parser.add_argument(
         "--replay-args",
