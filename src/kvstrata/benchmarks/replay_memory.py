@@ -39,6 +39,8 @@ class ChildRun:
     wall_s: float
     hit_ratio: float | None
     prompt_tokens: int | None
+    cache_pages_end: int | None  # pages the cache held at the end (is it full?)
+    cache_pages: int | None
 
     @property
     def requests_per_s(self) -> float:
@@ -83,13 +85,21 @@ def run_child(argv: list[str]) -> tuple[float, float, str]:
 
 def measure(spec: str, n: int, replay_args: list[str]) -> list[ChildRun]:
     rss, wall, text = run_child([sys.executable, "-c", _STREAM, spec])
-    runs = [ChildRun("stream", int(text.split()[-1]), rss, wall, None, None)]
+    runs = [ChildRun("stream", int(text.split()[-1]), rss, wall, None, None, None, None)]
     argv = [sys.executable, "-m", "kvstrata.cli", "replay", "--model", "none", "--trace", spec]
     rss, wall, text = run_child([*argv, *replay_args, "--json", "--no-progress"])
     summary = json.loads(text.strip().splitlines()[-1])
+    pool = summary["pool"]
     runs.append(
         ChildRun(
-            "replay", summary["requests"], rss, wall, summary["hit_ratio"], summary["prompt_tokens"]
+            "replay",
+            summary["requests"],
+            rss,
+            wall,
+            summary["hit_ratio"],
+            summary["prompt_tokens"],
+            pool["pages_cached_end"],
+            pool["pages"],
         )
     )
     assert runs[0].requests == runs[1].requests == n, (runs, n)
@@ -103,7 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         "the workload streamed alone, at several N: neither may grow with N beyond the cache.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--sizes", type=int, nargs="+", default=[5_000, 20_000])
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[5_000, 10_000, 20_000],
+        help="workload sizes N (the default cache fills up between the first two)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--l1-tokens",
@@ -132,14 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replay args: {' '.join(replay_args)}")
     print(
         f"{'mode':<7} {'requests':>9} {'prompt tokens':>15} {'peak RSS MiB':>13} "
-        f"{'wall s':>8} {'req/s':>8} {'hit ratio':>9}"
+        f"{'wall s':>8} {'req/s':>8} {'hit ratio':>9} {'cache pages end / total':>24}"
     )
     for r in runs:
         tokens = f"{r.prompt_tokens:,}" if r.prompt_tokens is not None else "-"
         hit = f"{r.hit_ratio:.4f}" if r.hit_ratio is not None else "-"
+        cache = f"{r.cache_pages_end:,} / {r.cache_pages:,}" if r.cache_pages else "-"
         print(
             f"{r.mode:<7} {r.requests:>9,} {tokens:>15} {r.peak_rss_mib:>13,.1f} "
-            f"{r.wall_s:>8.1f} {r.requests_per_s:>8.1f} {hit:>9}"
+            f"{r.wall_s:>8.1f} {r.requests_per_s:>8.1f} {hit:>9} {cache:>24}"
         )
     rows = [{**asdict(r), "requests_per_s": round(r.requests_per_s, 2)} for r in runs]
     print(json.dumps({"bench": "replay_memory", "replay_args": replay_args, "runs": rows}))
