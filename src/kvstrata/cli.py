@@ -4,6 +4,9 @@ kvstrata replay         run a workload through the prefill engine and report the
 kvstrata check-model    compare a checkpoint's logits with transformers before serving it
 kvstrata bench radix    radix tree speed on the shared synthetic workload
 kvstrata bench prefill  prefill tokens/s against transformers on the same inputs
+
+Errors in the input end in one stderr line and exit status 2; :mod:`kvstrata.command` lists the
+exit codes.
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ import argparse
 import json
 import sys
 
-from .errors import KVStrataError
+from . import __version__
+from .command import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CommandParser, run_command
+
+#: Default torch intra-op threads of ``replay``: one, because the engine's per-step ops are small
+#: and two threads make a replay 10-20x slower as soon as another process uses a core
+#: (docs/benchmarks.md, "CPU threads"), while they gain at most ~1.3x on an idle machine.
+DEFAULT_THREADS = 1
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -92,10 +101,27 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=0, help="seed for preset weights and --verify sampling"
     )
     p.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        metavar="N",
+        help="torch intra-op CPU threads; more than 1 helps only a large model on an idle machine "
+        "and slows the engine's small per-step ops 10-20x when other processes use the CPU",
+    )
+    p.add_argument(
+        "--fail-on-error",
+        action="store_true",
+        help="exit 1 if any request failed (without it: only if every request failed)",
+    )
+    p.add_argument(
         "--check", action="store_true", help="debug: check every invariant after each step"
     )
     p.add_argument("--json", action="store_true", help="print the JSON summary as the last line")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress (a bar on a terminal, else a line every few seconds on stderr)",
+    )
     p.set_defaults(func=_run_replay)
 
 
@@ -123,14 +149,32 @@ def _run_replay(args: argparse.Namespace) -> int:
         verify=args.verify,
         on_error=args.on_error,
         seed=args.seed,
+        threads=args.threads,
     )
-    summary = run_replay(cfg, progress=not args.no_progress and sys.stderr.isatty())
+    summary = run_replay(cfg, progress=not args.no_progress)
     print(summary.table())
-    for error in summary.errors:
-        print(f"failed: {error}")
+    for line in summary.problems():
+        print(line)
     if args.json:
         print(json.dumps(summary.to_json()))
-    return 0
+    if summary.interrupted:
+        print(
+            f"kvstrata replay: interrupted after {summary.requests} of {summary.total_requests} "
+            "requests; the summary covers those",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    why = None
+    if summary.failed == summary.requests:
+        why = f"every request failed ({summary.failed})"
+    elif args.fail_on_error and summary.failed:
+        why = f"{summary.failed} of {summary.requests} requests failed (--fail-on-error)"
+    elif not summary.verify.ok:
+        why = f"--verify failed: {summary.verify.describe()}"
+    if why is not None:
+        print(f"kvstrata replay: {why}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _check_model_parser(sub: argparse._SubParsersAction) -> None:
@@ -139,17 +183,34 @@ def _check_model_parser(sub: argparse._SubParsersAction) -> None:
         help="compare a checkpoint's logits with transformers",
         description="Load a checkpoint (or a preset, saved first as a checkpoint) with kvstrata and "
         "with transformers, run a few prompts of awkward lengths, and report the largest |logit "
-        "difference| and argmax agreement. Exits 1 past the tolerance.",
+        "difference| and argmax agreement. Exits 1 past the tolerance or on any NaN/inf logit.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model", help="checkpoint directory or preset name")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU)")
-    p.add_argument("--page-size", type=int, default=16)
     p.add_argument(
-        "--atol", type=float, default=None, help="tolerance (default 1e-3 in fp32, 0.5 in bf16)"
+        "model",
+        help="a Hugging Face checkpoint directory (config.json + *.safetensors) or a preset "
+        "(tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b)",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=16,
+        help="tokens per KV page; prompts straddle page boundaries and one reads a cached prefix "
+        "of whole pages back from the pool",
+    )
+    p.add_argument(
+        "--atol",
+        type=float,
+        default=None,
+        help="largest |logit difference| accepted (default: 1e-3 in float32, 0.5 otherwise)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON, last line")
     p.set_defaults(func=_run_check_model)
 
 
@@ -164,10 +225,21 @@ def _run_check_model(args: argparse.Namespace) -> int:
     print(f"prompt lengths     {', '.join(map(str, report.lengths))}")
     print(f"max |logit diff|   {report.max_abs_logit_diff:.3g} (tolerance {report.atol:g})")
     print(f"argmax agreement   {report.argmax_agree:.4f}")
+    print(
+        f"non-finite logits  {report.nonfinite_ours:,} kvstrata, "
+        f"{report.nonfinite_theirs:,} transformers"
+    )
+    if report.nonfinite_weights:
+        names = ", ".join(report.nonfinite_weight_names)
+        more = report.nonfinite_weights - len(report.nonfinite_weight_names)
+        print(
+            f"non-finite weights {report.nonfinite_weights:,}: {names}"
+            + (f" and {more:,} more" if more else "")
+        )
     print(f"verdict            {verdict}")
     if args.json:
         print(json.dumps({**report.__dict__, "ok": report.ok}))
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -186,29 +258,40 @@ def _run_bench(args: argparse.Namespace) -> int:
     if args.name == "radix":
         from .benchmarks import radix
 
-        return radix.main(args.rest)
+        return radix.run_main(args.rest)
     from .benchmarks import prefill
 
-    return int(prefill.main(args.rest))
+    return prefill.run_main(args.rest)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    """The ``kvstrata`` parser with every subcommand (the bench scripts parse their own flags)."""
+    parser = CommandParser(
         prog="kvstrata",
         description="kvstrata: a page-granular prefix KV cache for LLM prefill, with a reference "
-        "engine that runs Llama/Qwen models on top of it.",
+        "engine that runs Llama/Qwen models on top of it. Exit status: 0 ok, 1 the result is a "
+        "failure, 2 bad input, 130 interrupted.",
     )
+    parser.add_argument("--version", action="version", version=f"kvstrata {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _replay_parser(sub)
     _check_model_parser(sub)
     _bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``kvstrata`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
     try:
-        code: int = args.func(args)
-    except KVStrataError as err:
-        print(f"kvstrata {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    return code
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    if (
+        args.command == "bench"
+    ):  # the bench scripts report their own errors, as "kvstrata bench NAME"
+        return int(args.func(args))
+    return run_command(f"kvstrata {args.command}", lambda: int(args.func(args)))
 
 
 if __name__ == "__main__":

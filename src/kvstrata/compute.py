@@ -100,12 +100,33 @@ def _payload_bytes(state: torch.Tensor, tokens: torch.Tensor, kv_width: int) -> 
     return ((mixed >> shift) & 0xFF).to(torch.uint8)
 
 
-def synthetic_payload(tokens: torch.Tensor, kv_width: int) -> torch.Tensor:
-    """``[n, kv_width]`` uint8: the bytes ``--model none`` stores for a whole sequence."""
-    tokens = tokens.to(torch.int64)
-    positions = torch.arange(tokens.numel(), device=tokens.device)
-    state = torch.cumsum(_token_terms(tokens, positions), 0) % _STATE_MOD
-    return _payload_bytes(state, tokens, kv_width)
+#: Tokens per chunk of :func:`synthetic_payload`: its int64 temporaries take about
+#: ``8 * kv_width`` bytes per token, so a whole 10 M-token sequence at once would need tens of GB.
+PAYLOAD_CHUNK_TOKENS = 1 << 16
+
+
+def synthetic_payload(
+    tokens: torch.Tensor, kv_width: int, chunk_tokens: int = PAYLOAD_CHUNK_TOKENS
+) -> torch.Tensor:
+    """``[n, kv_width]`` uint8: the bytes ``--model none`` stores for a whole sequence.
+
+    Built ``chunk_tokens`` at a time, carrying the running state across chunks, so the memory it
+    needs beyond its result does not grow with the sequence.
+    """
+    if chunk_tokens < 1:
+        raise ConfigError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    n = tokens.numel()
+    out = torch.empty((n, kv_width), dtype=torch.uint8, device=tokens.device)
+    carry = torch.zeros((), dtype=torch.int64, device=tokens.device)
+    for lo in range(0, n, chunk_tokens):
+        hi = min(n, lo + chunk_tokens)
+        chunk = tokens[lo:hi].to(torch.int64)
+        positions = torch.arange(lo, hi, device=tokens.device)
+        # (carry + partial sums) mod M equals the whole sequence's cumsum mod M: carry is it, mod M.
+        state = (torch.cumsum(_token_terms(chunk, positions), 0) + carry) % _STATE_MOD
+        out[lo:hi] = _payload_bytes(state, chunk, kv_width)
+        carry = state[-1]
+    return out
 
 
 class SyntheticCompute:

@@ -5,12 +5,19 @@ payloads), feeds every request of the workload to the :class:`~kvstrata.engine.E
 and summarises: hit ratio, computed tokens, prefill throughput, TTFT percentiles, pool usage, and —
 with ``--verify N`` — how far the cached answers are from answers computed without the cache.
 
+Everything that can be checked is checked before anything large is built: the configuration, then
+the workload (a bad trace fails before a model loads; a trace line longer than the engine can ever
+serve is refused before its tokens are expanded), then the memory the pool and the weights need
+against what the device has. A Ctrl-C during the run ends it with the summary of the requests
+finished so far (``interrupted``).
+
 The summary is a :class:`ReplaySummary`; ``to_json()`` is the stable machine-readable form
 (``SUMMARY_SCHEMA`` versions it).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,17 +25,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from . import __version__
 from .compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
+from .config import KVLayout
 from .engine import Engine, EngineConfig, Finished
 from .errors import ConfigError
-from .model.loader import load_model
+from .limits import check_device, check_fits
+from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
-from .workloads import DEFAULT_VOCAB_SIZE, Request, load_workload
+from .progress import Progress
+from .workloads import DEFAULT_VOCAB_SIZE, Request, SkippedLine, load_workload
 
 SUMMARY_SCHEMA = 1
+#: Failed requests and skipped trace lines a summary lists by message (the counts are complete).
+LISTED_ERRORS = 20
+_MAX_SEED = 2**64 - 1  # torch generators take seeds up to 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -45,10 +57,17 @@ class ReplayConfig:
     verify: int = 0
     on_error: str = "stop"
     seed: int = 0
+    threads: int | None = None  # torch intra-op threads while replaying; None leaves torch's
 
     def __post_init__(self) -> None:
-        if self.seed < 0:
-            raise ConfigError(f"--seed must be >= 0, got {self.seed}")
+        if not 0 <= self.seed <= _MAX_SEED:
+            raise ConfigError(f"--seed must lie in [0, 2**64 - 1], got {self.seed}")
+        check_device(self.engine.device)
+        cores = os.cpu_count() or 1
+        if self.threads is not None and not 1 <= self.threads <= cores:
+            raise ConfigError(
+                f"--threads must lie in [1, {cores}] (this machine's CPU cores), got {self.threads}"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.model == "none" and self.dtype is not None:
@@ -66,10 +85,34 @@ class ReplayConfig:
 
 @dataclass
 class VerifyReport:
+    """What ``--verify`` found. ``max_abs_logit_diff`` is over the values finite on both sides;
+    ``nonfinite_logits`` counts NaN/inf values of either side (each one is a failure)."""
+
     requests: int = 0
     max_abs_logit_diff: float | None = None
     argmax_agree: float | None = None
     payload_mismatched_bytes: int | None = None
+    nonfinite_logits: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        """No non-finite logit and no mismatched payload byte. Logit differences are reported,
+        not judged: how large they may be depends on the dtype."""
+        return not self.nonfinite_logits and not self.payload_mismatched_bytes
+
+    def describe(self) -> str:
+        if self.max_abs_logit_diff is None:
+            return f"payload bytes mismatched {self.payload_mismatched_bytes:,}" + (
+                "" if self.ok else " (FAIL)"
+            )
+        text = (
+            f"max |logit diff| {self.max_abs_logit_diff:.3g}, argmax agree {self.argmax_agree:.3f}"
+        )
+        if self.nonfinite_logits:
+            text = (
+                f"FAIL: {self.nonfinite_logits:,} non-finite logit values; {text} (finite values)"
+            )
+        return text
 
 
 @dataclass
@@ -87,7 +130,10 @@ class ReplaySummary:
     steps: int
     verify: VerifyReport
     config: dict[str, Any]
-    errors: list[str]
+    errors: list[str]  # the first LISTED_ERRORS failures; ``failed`` counts them all
+    skipped: tuple[SkippedLine, ...] = ()
+    interrupted: bool = False
+    total_requests: int = 0  # requests in the workload (more than ``requests`` if interrupted)
 
     @property
     def hit_ratio(self) -> float:
@@ -102,6 +148,7 @@ class ReplaySummary:
             "schema": SUMMARY_SCHEMA,
             "requests": self.requests,
             "failed": self.failed,
+            "interrupted": self.interrupted,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "hit_ratio": round(self.hit_ratio, 6),
@@ -116,7 +163,7 @@ class ReplaySummary:
                 "pages_used_peak": self.pool_pages_used_peak,
                 "pages_cached_end": self.pool_pages_cached_end,
             },
-            "verify": asdict(self.verify),
+            "verify": asdict(self.verify) | {"ok": self.verify.ok},
             "config": self.config,
             "versions": {
                 "kvstrata": __version__,
@@ -129,6 +176,12 @@ class ReplaySummary:
     def table(self) -> str:
         rows = [
             ("requests", f"{self.requests}" + (f" ({self.failed} failed)" if self.failed else "")),
+        ]
+        if self.interrupted:
+            rows.append(("interrupted", f"after {self.requests} of {self.total_requests} requests"))
+        if self.skipped:
+            rows.append(("skipped trace lines", f"{len(self.skipped):,}"))
+        rows += [
             ("prompt tokens", f"{self.prompt_tokens:,}"),
             ("cached tokens", f"{self.cached_tokens:,}"),
             ("hit ratio", f"{self.hit_ratio:.4f}"),
@@ -144,24 +197,21 @@ class ReplaySummary:
             ),
             ("engine steps", f"{self.steps:,}"),
         ]
-        v = self.verify
-        if v.requests:
-            if v.max_abs_logit_diff is not None:
-                rows.append(
-                    (
-                        f"verify ({v.requests} requests)",
-                        f"max |logit diff| {v.max_abs_logit_diff:.3g}, argmax agree {v.argmax_agree:.3f}",
-                    )
-                )
-            else:
-                rows.append(
-                    (
-                        f"verify ({v.requests} requests)",
-                        f"payload bytes mismatched {v.payload_mismatched_bytes}",
-                    )
-                )
+        if self.verify.requests:
+            rows.append((f"verify ({self.verify.requests} requests)", self.verify.describe()))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {val}" for k, val in rows)
+
+    def problems(self) -> list[str]:
+        """The failed requests and skipped trace lines, one line each, cut at
+        :data:`LISTED_ERRORS` of each with a count of the rest."""
+        lines = [f"failed: {error}" for error in self.errors]
+        if self.failed > len(self.errors):
+            lines.append(f"failed: ... and {self.failed - len(self.errors):,} more")
+        lines += [f"skipped: line {s.line_no}: {s.reason}" for s in self.skipped[:LISTED_ERRORS]]
+        if len(self.skipped) > LISTED_ERRORS:
+            lines.append(f"skipped: ... and {len(self.skipped) - LISTED_ERRORS:,} more")
+        return lines
 
 
 def build_compute(cfg: ReplayConfig) -> Compute:
@@ -170,6 +220,40 @@ def build_compute(cfg: ReplayConfig) -> Compute:
         return SyntheticCompute(cfg.kv_width, cfg.vocab_size)
     _, model = load_model(cfg.model, device=cfg.engine.device, dtype=cfg.dtype, seed=cfg.seed)
     return ModelCompute(model, next(model.parameters()).dtype)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the compute will be, known before its weights are loaded."""
+
+    vocab_size: int
+    max_seq_len: int
+    layout: KVLayout
+    weight_bytes: int
+
+
+def _shape(cfg: ReplayConfig, compute: Compute | None) -> _Shape:
+    if compute is None and cfg.model == "none":
+        compute = SyntheticCompute(cfg.kv_width, cfg.vocab_size)  # allocates nothing
+    if compute is not None:
+        return _Shape(compute.vocab_size, compute.max_seq_len, compute.layout, 0)
+    config = read_model_config(cfg.model)  # config.json only: weights come after the checks
+    dtype = resolve_dtype(cfg.dtype, torch.device(cfg.engine.device))
+    return _Shape(
+        vocab_size=config.vocab_size,
+        max_seq_len=config.max_position_embeddings,
+        layout=config.kv_layout(str(dtype).removeprefix("torch.")),
+        weight_bytes=weight_bytes(config, dtype),
+    )
+
+
+def _check_memory(cfg: ReplayConfig, shape: _Shape) -> None:
+    engine = cfg.engine
+    pool_bytes = engine.pool_pages * shape.layout.page_bytes(engine.page_size)
+    parts = [(f"the L1 pool ({engine.pool_pages:,} pages)", pool_bytes)]
+    if shape.weight_bytes:
+        parts.append(("the model weights", shape.weight_bytes))
+    check_fits(parts, torch.device(engine.device), hint="lower --l1-tokens")
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -193,14 +277,37 @@ def verify_sample(num_requests: int, verify: int, seed: int) -> set[int]:
 def run_replay(
     cfg: ReplayConfig, progress: bool = True, compute: Compute | None = None
 ) -> ReplaySummary:
-    """Replay ``cfg.workload`` and return the summary (also used by tests and benchmarks)."""
-    compute = compute or build_compute(cfg)
+    """Replay ``cfg.workload`` and return the summary (also used by tests and benchmarks).
+
+    Runs with ``cfg.threads`` torch intra-op threads (restored afterwards). A KeyboardInterrupt
+    while requests run ends the replay early: the summary covers the requests finished so far
+    and says ``interrupted``.
+    """
+    threads_before = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, progress, compute)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySummary:
+    shape = _shape(cfg, compute)
+    pool_tokens = cfg.engine.pool_pages * cfg.engine.page_size
     workload = load_workload(
-        cfg.workload, limit=cfg.limit, vocab_size=compute.vocab_size, on_error=cfg.on_error
+        cfg.workload,
+        limit=cfg.limit,
+        vocab_size=shape.vocab_size,
+        on_error=cfg.on_error,
+        max_tokens=min(shape.max_seq_len, pool_tokens),
     )
     requests = workload.requests
     if not requests:
-        raise ConfigError(f"workload {cfg.workload!r} has no requests")
+        skipped = f" ({len(workload.skipped)} malformed lines skipped)" if workload.skipped else ""
+        raise ConfigError(f"workload {cfg.workload!r} has no requests{skipped}")
+    _check_memory(cfg, shape)
+    compute = compute or build_compute(cfg)
     engine = Engine(compute, cfg.engine)
     sampled = verify_sample(len(requests), cfg.verify, cfg.seed)
     engine.keep_logits = {requests[i].rid for i in sampled}
@@ -208,19 +315,28 @@ def run_replay(
         engine.add(request)
 
     finished: list[Finished] = []
+    interrupted = False
     start = time.perf_counter()
-    with tqdm(
-        total=len(requests), desc="replay", unit="req", disable=not progress, leave=False
-    ) as bar:
-        while engine.has_work():
-            done = engine.step()
-            finished.extend(done)
-            bar.update(len(done))
+    try:
+        with Progress("replay", len(requests), enabled=progress) as bar:
+            while engine.has_work():
+                done = engine.step()
+                finished.extend(done)
+                bar.update(len(done), sum(f.computed_len for f in done))
+    except KeyboardInterrupt:
+        interrupted = True
     seconds = time.perf_counter() - start
 
     ok = [f for f in finished if f.error is None]
     by_rid = {r.rid: r for r in requests}
-    verify = _verify(cfg, compute, [f for f in ok if f.rid in engine.keep_logits], by_rid, progress)
+    verify = VerifyReport()
+    if not interrupted:
+        try:
+            verify = _verify(
+                cfg, compute, [f for f in ok if f.rid in engine.keep_logits], by_rid, progress
+            )
+        except KeyboardInterrupt:
+            interrupted = True
     return ReplaySummary(
         requests=len(finished),
         failed=len(finished) - len(ok),
@@ -251,8 +367,12 @@ def run_replay(
             "kv_width": cfg.kv_width if cfg.model == "none" else None,
             "verify": cfg.verify,
             "seed": cfg.seed,
+            "threads": torch.get_num_threads(),
         },
-        errors=[f.error for f in finished if f.error][:20],
+        errors=[f.error for f in finished if f.error][:LISTED_ERRORS],
+        skipped=workload.skipped,
+        interrupted=interrupted,
+        total_requests=len(requests),
     )
 
 
@@ -293,12 +413,30 @@ def _verify(
             mismatched += int((f.payload != expected).sum())
         report.payload_mismatched_bytes = mismatched
         return report
-    max_diff, agree = 0.0, 0
-    for f in tqdm(sampled, desc="verify", unit="req", leave=False, disable=not progress):
-        fresh = recompute_uncached(compute, cfg.engine, requests[f.rid])
-        assert f.logits is not None
-        max_diff = max(max_diff, float((fresh - f.logits).abs().max()))
-        agree += int(int(fresh.argmax()) == int(f.logits.argmax()))
+    max_diff, agree, nonfinite = 0.0, 0, 0
+    with Progress("verify", len(sampled), enabled=progress) as bar:
+        for f in sampled:
+            fresh = recompute_uncached(compute, cfg.engine, requests[f.rid])
+            assert f.logits is not None
+            diff, bad = compare_logits(fresh, f.logits)
+            max_diff = max(max_diff, diff)
+            nonfinite += bad
+            agree += int(not bad and int(fresh.argmax()) == int(f.logits.argmax()))
+            bar.update(1)
     report.max_abs_logit_diff = max_diff
     report.argmax_agree = agree / len(sampled)
+    report.nonfinite_logits = nonfinite
     return report
+
+
+def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """``(largest |a - b| over positions finite on both sides, NaN/inf values in a and b)``.
+
+    A NaN difference is never 0: ``max()`` over floats silently drops NaN, so non-finite values
+    are counted apart and each is a failure for the caller.
+    """
+    finite_a, finite_b = torch.isfinite(a), torch.isfinite(b)
+    nonfinite = int((~finite_a).sum()) + int((~finite_b).sum())
+    both = finite_a & finite_b
+    diff = (a.float() - b.float()).abs()[both]
+    return (float(diff.max()) if diff.numel() else 0.0), nonfinite
