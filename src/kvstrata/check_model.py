@@ -117,10 +117,18 @@ def check_model(
             "smaller --page-size"
         )
     copy = weight_bytes(config, torch_dtype)
+    n = max(lengths)
     check_fits(
-        [("kvstrata's copy of the weights", copy), ("transformers' copy", copy)],
+        [
+            ("kvstrata's copy of the weights", copy),
+            ("transformers' copy", copy),
+            # Upper bounds for the longest prompt: an attention that materialises its scores,
+            # and both sides' fp32 logits for every token.
+            (f"attention scores of {n:,} tokens", n * n * config.num_heads * 4),
+            ("all-token logits", 2 * n * config.vocab_size * 4),
+        ],
         torch_device,
-        hint="check the model on a device with more memory",
+        hint="use a smaller --page-size, or a device with more memory",
     )
     return _compare(
         path_or_preset, torch_device, torch_dtype, tuple(lengths), page_size, atol, seed

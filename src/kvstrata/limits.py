@@ -18,6 +18,9 @@ import torch
 from .errors import CapacityError, ConfigError
 
 DEVICE_TYPES = ("cpu", "cuda")
+#: Host bytes a PageAllocator holds per logical page: an int64 free stack, a bool free map and an
+#: int64 scratch (25 bytes), rounded up for the temporaries of its construction.
+ALLOCATOR_BYTES_PER_PAGE = 32
 _MEMINFO = Path("/proc/meminfo")
 
 
@@ -70,7 +73,10 @@ def check_fits(parts: Sequence[tuple[str, int]], device: torch.device, hint: str
     have = available_bytes(device)
     if have is None or need <= have:
         return
-    listed = " + ".join(f"{what} {gib(num_bytes)}" for what, num_bytes in parts)
+    nonzero = [(what, num_bytes) for what, num_bytes in parts if num_bytes]
+    listed = " + ".join(f"{what} {gib(num_bytes)}" for what, num_bytes in nonzero)
+    if len(nonzero) > 1:
+        listed += f" = {gib(need)}"
     raise CapacityError(
-        f"{listed} = {gib(need)} needed on {device.type}, but only {gib(have)} is available; {hint}"
+        f"{listed} needed on {device.type}, but only {gib(have)} is available; {hint}"
     )

@@ -31,7 +31,7 @@ from .compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
 from .config import KVLayout
 from .engine import Engine, EngineConfig, Finished
 from .errors import ConfigError
-from .limits import check_device, check_fits
+from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
 from .progress import Progress
@@ -249,11 +249,19 @@ def _shape(cfg: ReplayConfig, compute: Compute | None) -> _Shape:
 
 def _check_memory(cfg: ReplayConfig, shape: _Shape) -> None:
     engine = cfg.engine
+    device = torch.device(engine.device)
     pool_bytes = engine.pool_pages * shape.layout.page_bytes(engine.page_size)
-    parts = [(f"the L1 pool ({engine.pool_pages:,} pages)", pool_bytes)]
+    allocator_bytes = engine.pool_pages * ALLOCATOR_BYTES_PER_PAGE
+    if device.type == "cpu":
+        parts = [(f"the L1 pool ({engine.pool_pages:,} pages)", pool_bytes + allocator_bytes)]
+    else:
+        check_fits(
+            [("the page allocator", allocator_bytes)], torch.device("cpu"), "lower --l1-tokens"
+        )
+        parts = [(f"the L1 pool ({engine.pool_pages:,} pages)", pool_bytes)]
     if shape.weight_bytes:
         parts.append(("the model weights", shape.weight_bytes))
-    check_fits(parts, torch.device(engine.device), hint="lower --l1-tokens")
+    check_fits(parts, device, hint="lower --l1-tokens")
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

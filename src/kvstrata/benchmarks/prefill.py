@@ -31,6 +31,8 @@ from ..ownership import page_span
 from ..pool import DevicePool
 
 PROG = "kvstrata bench prefill"
+#: More timed or warm-up runs than this is a typo, not a measurement (the median settles long before).
+_MAX_RUNS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,9 +192,10 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.page_size < 1:
         raise ConfigError(f"--page-size must be >= 1, got {args.page_size}")
-    if args.repeats < 1 or args.warmup < 0:
+    if not 1 <= args.repeats <= _MAX_RUNS or not 0 <= args.warmup <= _MAX_RUNS:
         raise ConfigError(
-            f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}"
+            f"--repeats must lie in [1, {_MAX_RUNS:,}] and --warmup in [0, {_MAX_RUNS:,}], got "
+            f"{args.repeats} and {args.warmup}"
         )
     if not 0 <= args.seed < 2**64:
         raise ConfigError(f"--seed must lie in [0, 2**64), got {args.seed}")

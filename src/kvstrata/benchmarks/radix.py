@@ -27,7 +27,7 @@ from ..allocator import PageAllocator
 from ..command import CommandParser, run_command
 from ..config import CacheConfig, PoolConfig
 from ..errors import ConfigError
-from ..limits import check_fits
+from ..limits import ALLOCATOR_BYTES_PER_PAGE, check_fits
 from ..ownership import page_span
 from ..radix import RadixTree
 
@@ -168,10 +168,17 @@ def check_args(args: argparse.Namespace) -> None:
             (
                 f"{args.requests:,} generated requests",
                 args.requests * _TOKENS_PER_REQUEST * _BYTES_PER_TOKEN,
-            )
+            ),
+            (
+                # The larger of the two replays' pools, at the smallest page size.
+                "the page allocator",
+                max(args.budget, args.requests * _TOKENS_PER_REQUEST)
+                // min(args.page_sizes)
+                * ALLOCATOR_BYTES_PER_PAGE,
+            ),
         ],
         torch.device("cpu"),
-        hint="lower --requests",
+        hint="lower --requests or --budget",
     )
 
 
