@@ -175,8 +175,10 @@ def _compare(
             rows_finite = both.all(-1)
             agree += int(((mine.argmax(-1) == ref.argmax(-1)) & rows_finite).sum())
             total += n
-    bad_weights = [
-        name for name, w in ours.state_dict().items() if not bool(torch.isfinite(w).all())
+    bad_weights = [  # by their checkpoint names (ours drop transformers' "model." prefix)
+        name if name.startswith("lm_head.") else f"model.{name}"
+        for name, w in ours.state_dict().items()
+        if not bool(torch.isfinite(w).all())
     ]
     if atol is None:
         atol = 1e-3 if dtype == torch.float32 else 0.5

@@ -170,7 +170,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     elif args.fail_on_error and summary.failed:
         why = f"{summary.failed} of {summary.requests} requests failed (--fail-on-error)"
     elif not summary.verify.ok:
-        why = f"--verify failed: {summary.verify.describe()}"
+        why = f"--verify failed: {summary.verify.describe().removeprefix('FAIL: ')}"
     if why is not None:
         print(f"kvstrata replay: {why}", file=sys.stderr)
         return EXIT_FAILED

@@ -39,7 +39,7 @@ _TOKENS_PER_REQUEST = 6_721
 _BYTES_PER_TOKEN = 20
 
 #: The workload's own no-eviction references for seed 0 and 2,000 requests (from
-#: ``python workload.py --seed 0 --reference P``); ``--recompute-reference`` recomputes them.
+#: ``python -m kvstrata.synthetic --seed 0 --reference P``); ``--recompute-reference`` recomputes them.
 KNOWN_REFERENCES = {
     (0, 2000): {1: "fcd11de4dbecc7ff", 16: "ba3b32e878c369f4", 64: "c9ce49f1968ab200"}
 }
