@@ -10,6 +10,15 @@ import torch
 from kvstrata.check_model import _write_preset_checkpoint
 from kvstrata.model.config import PRESETS
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One intra-op thread, as `kvstrata replay` defaults to: the tests' ops are small, and with
+    # torch's default of one thread per core a test runs 4-20x slower as soon as another process
+    # uses a core (docs/benchmarks.md, "CPU threads"), e.g. 7 s -> 27 s or 155 s for the engine's
+    # 200-request logits test on the shared 2-core machine.
+    torch.set_num_threads(1)
+
+
 #: The weight a poisoned checkpoint carries a NaN in (every forward reads it).
 POISONED_WEIGHT = "model.layers.0.mlp.down_proj.weight"
 

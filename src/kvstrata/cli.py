@@ -16,7 +16,14 @@ import json
 import sys
 
 from . import __version__
-from .command import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CommandParser, run_command
+from .command import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    CommandParser,
+    HelpFormatter,
+    run_command,
+)
 
 #: Default torch intra-op threads of ``replay``: one, because the engine's per-step ops are small
 #: and two threads make a replay 10-20x slower as soon as another process uses a core
@@ -32,7 +39,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         "report what the cache saved: hit ratio, computed tokens, prefill tokens/s, TTFT "
         "percentiles, pool usage. With no arguments: the built-in workload through the `tiny` "
         "model on the CPU. The last line of output is a JSON summary with --json.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--trace",
@@ -184,7 +191,7 @@ def _check_model_parser(sub: argparse._SubParsersAction) -> None:
         description="Load a checkpoint (or a preset, saved first as a checkpoint) with kvstrata and "
         "with transformers, run a few prompts of awkward lengths, and report the largest |logit "
         "difference| and argmax agreement. Exits 1 past the tolerance or on any NaN/inf logit.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "model",
@@ -249,8 +256,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
         description="Run a benchmark. Arguments after the name go to the benchmark "
         "(kvstrata bench radix --help).",
     )
-    p.add_argument("name", choices=["radix", "prefill"])
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("name", choices=["radix", "prefill"], metavar="NAME", help="radix or prefill")
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS", help="the benchmark's flags")
     p.set_defaults(func=_run_bench)
 
 

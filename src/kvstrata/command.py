@@ -38,6 +38,15 @@ def error_line(prog: str, message: str) -> str:
     return f"{prog}: error: {first}"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except None and a switch's False (the help text says those)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class CommandParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are one line (no usage block), exit status 2."""
 

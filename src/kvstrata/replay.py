@@ -446,5 +446,5 @@ def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
     finite_a, finite_b = torch.isfinite(a), torch.isfinite(b)
     nonfinite = int((~finite_a).sum()) + int((~finite_b).sum())
     both = finite_a & finite_b
-    diff = (a.float() - b.float()).abs()[both]
+    diff = (a.double() - b.double()).abs()[both]  # float64: finite logits, finite difference
     return (float(diff.max()) if diff.numel() else 0.0), nonfinite
