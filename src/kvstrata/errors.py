@@ -11,6 +11,8 @@ Everything kvstrata raises on purpose derives from :class:`KVStrataError`::
     │   ├── ForeignPageError     a page freed into a lane that does not own it
     │   └── UnknownPageError     a page id outside the allocator's page space
     ├── TreeInvariantError       a radix tree ``check()`` found a broken invariant
+    ├── TreeUsageError           a radix tree call against its contract (pages it already holds,
+    │                            an evicted node, a residency change from the wrong state)
     ├── ModelError               a checkpoint or model that kvstrata cannot load
     │   ├── CheckpointError      missing config/weights, or a weight of the wrong shape
     │   └── UnsupportedArchitectureError
@@ -58,6 +60,10 @@ class UnknownPageError(AllocatorError):
 
 class TreeInvariantError(KVStrataError):
     """``RadixTree.check()`` found a broken invariant."""
+
+
+class TreeUsageError(KVStrataError):
+    """A radix tree call broke its contract; refused before the tree changed."""
 
 
 class ModelError(KVStrataError):
