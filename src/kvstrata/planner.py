@@ -51,45 +51,47 @@ def as_deficit(deficit: int | IntArray, cp_size: int) -> IntArray:
     return arr.astype(np.int64)
 
 
-def trim_count(first: int, span: int, need: IntArray) -> int:
+def trim_count(first: int, span: int, need: list[int]) -> int:
     """How many tail pages of a node at page positions ``[first, first + span)`` to release so
     that every lane ``l`` with ``need[l] > 0`` gets ``need[l]`` pages (or all it has there).
 
     ``len(need)`` is the number of lanes; the lane of position ``p`` is ``p % len(need)``.
     Returns 0 when the node holds no page of a short lane.
     """
-    lanes = need.size
+    lanes = len(need)
     end = first + span
     count = 0
-    for lane in np.flatnonzero(need > 0).tolist():
+    for lane, short in enumerate(need):
+        if short <= 0:
+            continue
         last = end - 1 - (end - 1 - lane) % lanes  # the lane's last position before `end`
         if last < first:
             continue  # the node holds no page of this lane
-        kth = last - (int(need[lane]) - 1) * lanes  # the need-th of them, from the tail
-        count = max(count, end - kth if kth >= first else span)
+        kth = last - (short - 1) * lanes  # the short-th of them, counted from the tail
+        if kth < first:  # the lane needs every page it has here: down to its first one
+            kth = first + (lane - first) % lanes
+        count = max(count, end - kth)
     return count
 
 
-def lane_counts(first: int, count: int, lanes: int) -> IntArray:
+def lane_counts(first: int, count: int, lanes: int) -> list[int]:
     """Pages per lane among positions ``[first, first + count)``."""
-    if lanes == 1:
-        return np.array([count], dtype=np.int64)
-    return np.bincount(np.arange(first, first + count) % lanes, minlength=lanes).astype(np.int64)
+    base, extra = divmod(count, lanes)
+    # The first `extra` lanes after `first`'s lane (cyclically) get one more.
+    return [base + ((lane - first) % lanes < extra) for lane in range(lanes)]
 
 
 def evict(tree: RadixTree, tier: Tier, deficit: int | IntArray) -> IntArray:
     """Release pages of ``tier`` until the deficit is met or no candidate can help; return them
     (the caller frees them to the tier's allocator)."""
-    need = as_deficit(deficit, tree.cp_size)
-    if not need.any():
-        return _EMPTY
-    lanes, P = need.size, tree.page_size
-    heap, policy = tree.heaps[tier], tree.policy
+    need = as_deficit(deficit, tree.cp_size).tolist()
+    lanes, P = len(need), tree.page_size
+    heap, policy, is_candidate = tree.heaps[tier], tree.policy, tree.is_candidate
     freed: list[IntArray] = []
     passed = []
-    while heap and need.any():
+    while heap and max(need) > 0:
         prio, node = heapq.heappop(heap)
-        if not tree.is_candidate(node, tier):
+        if not is_candidate(node, tier):
             continue  # stale: locked, evicted, or no longer a leaf of this tier
         current = policy.priority(node)
         if current != prio:  # accessed since it was queued: its priority only grew
@@ -102,7 +104,7 @@ def evict(tree: RadixTree, tier: Tier, deficit: int | IntArray) -> IntArray:
             continue
         got = lane_counts(first + node.span - count, count, lanes)
         freed.append(tree.trim(node, tier, count))
-        np.maximum(need - got, 0, out=need)
+        need = [max(n - g, 0) for n, g in zip(need, got, strict=True)]
     for item in passed:
         heapq.heappush(heap, item)
     tree.compact_heaps()

@@ -56,12 +56,13 @@ _EMPTY_PAGES: IntArray = np.empty(0, dtype=np.int64)
 _EMPTY_KEYS = np.empty(0, dtype=np.uint64)
 _EMPTY_TOKENS = np.empty(0, dtype=np.uint32)
 
-_ON_DEVICE = frozenset({Residency.DEVICE, Residency.DEVICE_HOST, Residency.DEVICE_HOST_PENDING})
-_ON_HOST = frozenset({Residency.DEVICE_HOST, Residency.HOST, Residency.DEVICE_HOST_PENDING})
+# Tuples, not sets: containment tests identity first, while Enum hashing is slow on hot paths.
+_ON_DEVICE = (Residency.DEVICE, Residency.DEVICE_HOST, Residency.DEVICE_HOST_PENDING)
+_ON_HOST = (Residency.DEVICE_HOST, Residency.HOST, Residency.DEVICE_HOST_PENDING)
 #: Residencies a tier may evict from (a pending backup is never evicted from either tier).
 _EVICTABLE = {
-    Tier.L1: frozenset({Residency.DEVICE, Residency.DEVICE_HOST}),
-    Tier.L2: frozenset({Residency.DEVICE_HOST, Residency.HOST}),
+    Tier.L1: (Residency.DEVICE, Residency.DEVICE_HOST),
+    Tier.L2: (Residency.DEVICE_HOST, Residency.HOST),
 }
 _NO_PAGE = -1  # a position the tree covers without a device page (host-only)
 _FOREIGN = -2  # a position the tree covers with other tokens under an equal key (a collision)
@@ -783,7 +784,7 @@ class RadixTree:
     def _cut_tail(self, node: Node, tier: Tier, count: int) -> IntArray:
         """Remove the last ``count`` pages of a leaf that holds them in ``tier`` only."""
         self._version += 1
-        pages = node.tier_pages(tier)
+        pages = node.pages if tier is Tier.L1 else node.host_pages
         freed = pages[node.span - count :].copy()
         self._held[tier][freed] = False
         self._count_pages(tier, -count)
@@ -879,11 +880,14 @@ class RadixTree:
     def is_candidate(self, node: Node, tier: Tier) -> bool:
         """Whether ``tier`` may release pages of ``node`` now: it holds them there, nothing
         protects them, and no child holds pages in that tier (leaf-up)."""
-        if node.dead or node.parent is None or node.residency not in _EVICTABLE[tier]:
+        if node.dead or node.parent is None:
             return False
+        r = node.residency  # identity tests: hashing an Enum (a dict or set lookup) is slow here
         if tier is Tier.L1:
-            return node.lock_ref == 0 and node.device_children == 0
-        return node.host_ref == 0 and node.host_children == 0
+            ok = r is Residency.DEVICE or r is Residency.DEVICE_HOST
+            return ok and node.lock_ref == 0 and node.device_children == 0
+        ok = r is Residency.HOST or r is Residency.DEVICE_HOST
+        return ok and node.host_ref == 0 and node.host_children == 0
 
     def _refresh(self, node: Node) -> None:
         """Queue ``node`` in the heap of every tier it is now a candidate of (entries are lazy:
