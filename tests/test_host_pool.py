@@ -161,6 +161,7 @@ class _FakeCudart:
 def test_a_pinning_failure_is_a_typed_error_and_unpins_what_was_pinned(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    gc.collect()  # real pinned pools of earlier tests unpin through the real cudart
     fake = _FakeCudart(fail_at=4)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
@@ -174,12 +175,17 @@ def test_a_pinning_failure_is_a_typed_error_and_unpins_what_was_pinned(
 def test_pinned_pool_registers_page_aligned_slabs_and_close_unpins(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    gc.collect()
     fake = _FakeCudart(fail_at=0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     pool = HostPool(LAYOUT, PAGE, 5, host_layout="page_first", pin=None)
     assert pool.pinned and len(fake.registered) == len(pool.tensors()) == len(LAYOUT.payloads)
     assert {t.data_ptr() for t in pool.tensors()} == fake.registered
+    pool.check()
+    pool._slabs["k"][0][0] = torch.empty_like(pool._slabs["k"][0][0])  # an unpinned slab
+    with pytest.raises(PoolInvariantError, match="not pinned"):
+        pool.check()
     pool.close()
     assert fake.registered == set() and pool.tensors() == []
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import mmap
 import weakref
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -63,9 +63,9 @@ def mem_available_bytes() -> int | None:
     return int(psutil.virtual_memory().available)
 
 
-def _register(tensor: torch.Tensor) -> None:
+def _register(cudart: Any, tensor: torch.Tensor) -> None:
     # Flags 0 (cudaHostRegisterDefault): with unified addressing the range is mapped and portable.
-    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
+    err = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
     if int(err) != 0:
         raise PinnedMemoryError(
             f"cannot pin {tensor.nbytes / 2**30:.2f} GiB of host memory (cudaHostRegister error "
@@ -74,10 +74,10 @@ def _register(tensor: torch.Tensor) -> None:
         )
 
 
-def _unregister(tensors: list[torch.Tensor]) -> None:
+def _unregister(cudart: Any, tensors: list[torch.Tensor]) -> None:
     # Runs before the tensors are freed: the finalizer holds them until then.
     for t in tensors:
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        cudart.cudaHostUnregister(t.data_ptr())
     tensors.clear()
 
 
@@ -148,8 +148,10 @@ class HostPool:
 
         # _slabs[payload][layer][slab] (layer_first) or _slabs[payload][0][slab] (page_first).
         self._slabs: dict[str, list[list[torch.Tensor]]] = {}
-        allocated: list[torch.Tensor] = []
-        self._finalizer = weakref.finalize(self, _unregister, allocated if pin else [])
+        # What this pool pinned (torch's is_pinned() knows only its own pinned allocator).
+        self._registered: list[torch.Tensor] = []
+        self._cudart = torch.cuda.cudart() if pin else None
+        self._finalizer = weakref.finalize(self, _unregister, self._cudart, self._registered)
         for spec in layout.payloads:
             dtype = torch_dtype(spec.dtype)
             per_layer_shape = (page_size, *spec.token_shape)
@@ -161,7 +163,6 @@ class HostPool:
                 for slab in range(self.num_slabs):
                     start, stop = self.slab_bounds(slab)
                     slabs.append(self._allocate((stop - start, *per_layer_shape), dtype))
-                    allocated.append(slabs[-1])
                 groups.append(slabs)
             self._slabs[spec.name] = groups
 
@@ -180,8 +181,10 @@ class HostPool:
             ) from None
         start = -raw.data_ptr() % _OS_PAGE
         region = raw[start : start + -(-nbytes // _OS_PAGE) * _OS_PAGE]
-        _register(region)
-        return region[:nbytes].view(dtype).view(shape)
+        _register(self._cudart, region)
+        tensor = region[:nbytes].view(dtype).view(shape)
+        self._registered.append(tensor)
+        return tensor
 
     @staticmethod
     def slots_for_bytes(layout: KVLayout, page_size: int, num_bytes: int) -> int:
@@ -294,7 +297,7 @@ class HostPool:
                     f"a slab of {t.nbytes} bytes is not contiguous or exceeds the cap "
                     f"{self.max_alloc_bytes}"
                 )
-            if self.pinned != t.is_pinned():
+            if self.pinned != any(t is r for r in self._registered):
                 raise PoolInvariantError(f"a slab is {'not ' if self.pinned else ''}pinned")
             extents.append((t.data_ptr(), t.data_ptr() + t.nbytes))
         extents.sort()

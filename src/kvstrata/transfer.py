@@ -98,18 +98,35 @@ class _Copier(Protocol):
 
 
 class TorchCopier:
-    """CPU path: index ops between the pools' tensors."""
+    """CPU path: index ops between the pools' tensors, viewed as ``[rows, page words]`` (torch's
+    row gather and scatter are far faster on 2-D word arrays than on bf16 page tensors)."""
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool
+        self._rows: dict[tuple[str, int, int], torch.Tensor] = {}  # (payload, layer, slab)
+
+    def _view(self, payload: str, layer: int, slab: int) -> torch.Tensor:
+        rows = self._rows.get((payload, layer, slab))
+        if rows is None:
+            stride, offset, page_bytes = self.host_pool.page_geometry(payload, layer)
+            word = transfer_kernel.word_dtype(page_bytes)
+            w, page = word.itemsize, page_bytes // word.itemsize
+            if slab < 0:  # the device pool's buffer: one page per row
+                t = transfer_kernel.as_words(self.device_pool.buffer(payload, layer), word)
+                rows = t.view(-1, page)
+            else:  # a host slab: rows of ``stride`` bytes, this layer's page at ``offset``
+                t = transfer_kernel.as_words(self.host_pool.slab_tensor(payload, layer, slab), word)
+                rows = t.view(-1, stride // w)[:, offset // w : offset // w + page]
+            self._rows[(payload, layer, slab)] = rows
+        return rows
 
     def copy(
         self, direction: Direction, payload: str, layer: int, slab: int,
         device_slots: torch.Tensor, host_rows: torch.Tensor,
     ) -> None:  # fmt: skip
-        dev = self.device_pool.buffer(payload, layer)
-        host = self.host_pool.view(payload, layer, slab)
+        dev = self._view(payload, layer, -1)
+        host = self._view(payload, layer, slab)
         if direction == "d2h":
             host.index_copy_(0, host_rows, dev.index_select(0, device_slots))
         else:
@@ -127,6 +144,14 @@ class TritonCopier:
         self.host_pool = host_pool
         self.config = config
         self._words: dict[tuple[str, int, int], torch.Tensor] = {}  # (payload, layer, slab)
+        # Per payload: word dtype, page length and host slot stride in words, page_first.
+        page_first = host_pool.host_layout == "page_first"
+        self._geometry: dict[str, tuple[torch.dtype, int, int, bool]] = {}
+        for spec in device_pool.layout.payloads:
+            stride, _, page_bytes = host_pool.page_geometry(spec.name, 0)
+            word = transfer_kernel.word_dtype(page_bytes)
+            w = word.itemsize
+            self._geometry[spec.name] = (word, page_bytes // w, stride // w, page_first)
 
     def _flat(
         self, key: tuple[str, int, int], tensor: torch.Tensor, word: torch.dtype
@@ -140,17 +165,13 @@ class TritonCopier:
         self, direction: Direction, payload: str, layer: int, slab: int,
         device_slots: torch.Tensor, host_rows: torch.Tensor,
     ) -> None:  # fmt: skip
-        stride, offset, page_bytes = self.host_pool.page_geometry(payload, layer)
-        word = transfer_kernel.word_dtype(page_bytes)
-        w = word.itemsize
+        word, chunk, host_stride, page_first = self._geometry[payload]
         dev = self._flat((payload, layer, -1), self.device_pool.buffer(payload, layer), word)
-        # In page_first one slab tensor serves every layer: key it once.
-        host_layer = layer if self.host_pool.host_layout == "layer_first" else -1
-        host = self._flat(
-            (payload, host_layer, slab), self.host_pool.slab_tensor(payload, layer, slab), word
-        )
+        # In page_first one slab tensor serves every layer, at offset layer * chunk.
+        host_key = (payload, -1 if page_first else layer, slab)
+        host = self._flat(host_key, self.host_pool.slab_tensor(payload, layer, slab), word)
         # A device row is one whole page of one layer: stride one page, offset 0.
-        dev_geo, host_geo = (page_bytes // w, 0), (stride // w, offset // w)
+        dev_geo, host_geo = (chunk, 0), (host_stride, layer * chunk if page_first else 0)
         if direction == "d2h":
             src, dst, src_slots, dst_slots, src_geo, dst_geo = (
                 dev, host, device_slots, host_rows, dev_geo, host_geo
@@ -163,7 +184,7 @@ class TritonCopier:
             src, dst, src_slots, dst_slots,
             src_stride=src_geo[0], dst_stride=dst_geo[0],
             src_offset=src_geo[1], dst_offset=dst_geo[1],
-            chunk=page_bytes // w, config=self.config,
+            chunk=chunk, config=self.config,
         )  # fmt: skip
 
 
@@ -176,10 +197,10 @@ def _as_slots(slots: Slots, what: str, num_slots: int) -> torch.Tensor:
             f"shape {tuple(t.shape)} {t.dtype} on {t.device}"
         )
     t = t.to(torch.int64)
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_slots):
-        raise TransferError(
-            f"{what} slots must lie in [0, {num_slots}), got {int(t.min())}..{int(t.max())}"
-        )
+    if t.numel():
+        lo, hi = (int(x) for x in torch.aminmax(t))
+        if lo < 0 or hi >= num_slots:
+            raise TransferError(f"{what} slots must lie in [0, {num_slots}), got {lo}..{hi}")
     return t
 
 
@@ -421,6 +442,10 @@ class Transfer:
                 raise TransferTimeoutError(f"{what} did not finish within {timeout_s:g} s")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def stream(self, direction: Direction) -> torch.cuda.Stream | None:
+        """The stream that runs ``direction``'s copies (None on CPU); for timing and tests."""
+        return self._streams.get(direction)
 
     def stats(self) -> TransferStats:
         return TransferStats(

@@ -38,14 +38,16 @@ except ImportError:  # the CUDA path then refuses to start (require_triton)
 class KernelConfig:
     """Launch shape of the page-copy kernel.
 
-    block_words: 32-bit words one program copies per work item (a power of two).
+    block_words: 32-bit words one program copies per work item (a power of two). The defaults
+        come from the sweep of ``kvstrata bench transfer --sweep`` on the H200 (1024 words also
+        divides an MLA page, 18,432 words, so no block is partly masked).
     num_warps: warps per program.
     items_per_program: work items (page, block) one program copies, unrolled.
     """
 
-    block_words: int = 4096
+    block_words: int = 1024
     num_warps: int = 4
-    items_per_program: int = 1
+    items_per_program: int = 4
 
     def __post_init__(self) -> None:
         bw = self.block_words

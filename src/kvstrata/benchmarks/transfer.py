@@ -7,10 +7,11 @@ Each timed copy is set against a contiguous copy of the same bytes between a dev
 pinned host tensor, measured alternately in the same run: ``ratio`` is how close the batched
 gather/scatter comes to the copy engine's straight line.
 
-Before timing, every case checks its copies byte for byte (d2h, then h2d into other slots). Times
-are host wall clock from submit to ``torch.cuda.synchronize``, so launch and index-upload cost
-are included; ``submit us`` is the time the submitting thread spent (the copy itself is async).
-``--sweep`` also times a grid of kernel launch shapes on the GQA geometry.
+Before timing, every case checks its copies byte for byte (d2h, then h2d into other slots).
+``ms``, ``GB/s`` and ``ratio`` are device time (CUDA events; both copies timed the same way);
+``wall GB/s`` is host wall clock from submit to ``torch.cuda.synchronize``, so launch and index
+upload are included; ``submit us`` is the submitting call alone (the copy itself is async and,
+in the engine, overlaps the forward). ``--sweep`` also times a grid of kernel launch shapes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from ..transfer import Direction, Transfer
 from ..transfer_kernel import KernelConfig
 
 DIRECTIONS: tuple[Direction, ...] = ("d2h", "h2d")
+_SPIN_CYCLES = 20_000_000  # about 10 ms at H200 clocks, far longer than one submission
+SWEEP = [KernelConfig(b, w, i) for b in (1024, 2048, 4096) for w in (4, 8) for i in (1, 4)]
 GEOMETRIES = {
     "gqa": (PayloadSpec("k", (8, 128), "bfloat16"), PayloadSpec("v", (8, 128), "bfloat16")),
     "mla": (PayloadSpec("kv_latent", (576,), "bfloat16"),),
@@ -50,6 +53,7 @@ class Row:
     gbps: float
     contiguous_gbps: float
     ratio: float
+    wall_gbps: float
     submit_us: float
     verified: bool
     kernel: str
@@ -138,26 +142,52 @@ class _Case:
 
         return {"d2h": d2h, "h2d": h2d}
 
+    def _device_s(self, submit: Callable[[], torch.cuda.Stream | None]) -> float:
+        """Device seconds of the work ``submit`` enqueues (it returns the stream the work ends
+        on). The current stream first spins, so that the whole submission is queued before the
+        copy may start: host submission cost stays out, queueing gaps cannot get in."""
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            submit()
+            return time.perf_counter() - t0
+        self.sync()
+        torch.cuda._sleep(_SPIN_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        end.record(submit())
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
     def measure(
         self, t: Transfer, direction: Direction, base: Callable[[], None], repeats: int
-    ) -> tuple[float, float, float]:
-        """Median seconds of the batched copy, of the contiguous copy, and of submitting."""
-        ours, theirs, submit = [], [], []
+    ) -> dict[str, float]:
+        """Medians, in seconds: the batched copy and the contiguous copy on the device, the
+        batched copy from submit to synchronize on the host, and the submit call alone."""
+        stream = t.stream(direction)
+        samples: dict[str, list[float]] = {"ours": [], "theirs": [], "wall": [], "submit": []}
+
+        def contiguous() -> torch.cuda.Stream | None:
+            base()
+            return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+        def batched() -> torch.cuda.Stream | None:
+            self.copy(t, direction)
+            return stream
+
         for i in range(self.args.warmup + repeats):
+            theirs = self._device_s(contiguous)
+            ours = self._device_s(batched)
+            self.reap(t)
             self.sync()
             t0 = time.perf_counter()
-            base()
+            submit = self.copy(t, direction)
             self.sync()
-            t1 = time.perf_counter()
-            s = self.copy(t, direction)
-            self.sync()
-            t2 = time.perf_counter()
+            wall = time.perf_counter() - t0
             self.reap(t)
             if i >= self.args.warmup:
-                theirs.append(t1 - t0)
-                ours.append(t2 - t1)
-                submit.append(s)
-        return statistics.median(ours), statistics.median(theirs), statistics.median(submit)
+                for key, value in zip(samples, (ours, theirs, wall, submit), strict=True):
+                    samples[key].append(value)
+        return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def _kernel_name(k: KernelConfig) -> str:
@@ -187,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-words", type=int, default=KernelConfig.block_words)
     ap.add_argument("--num-warps", type=int, default=KernelConfig.num_warps)
     ap.add_argument("--items-per-program", type=int, default=KernelConfig.items_per_program)
-    ap.add_argument("--sweep", action="store_true", help="also time a grid of kernel launch shapes")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time a grid of kernel launch shapes (CUDA; every geometry, first --layout)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -212,25 +246,24 @@ def main(argv: list[str] | None = None) -> int:
             t = Transfer(dev, host, kernel=kernel if device.type == "cuda" else None)
             verified = case.verify(t)
             for direction in DIRECTIONS:
-                ours, theirs, submit = case.measure(t, direction, base[direction], args.repeats)
-                gbps, cgbps = case.layer_bytes / ours / 1e9, case.layer_bytes / theirs / 1e9
+                m = case.measure(t, direction, base[direction], args.repeats)
                 rows.append(
                     Row(geometry, host_layout, direction, args.pages, case.layer_bytes,
-                        ours * 1e3, gbps, cgbps, gbps / cgbps, submit * 1e6, verified,
+                        m["ours"] * 1e3, case.layer_bytes / m["ours"] / 1e9,
+                        case.layer_bytes / m["theirs"] / 1e9, m["theirs"] / m["ours"],
+                        case.layer_bytes / m["wall"] / 1e9, m["submit"] * 1e6, verified,
                         _kernel_name(kernel) if t.backend == "triton" else t.backend)
                 )  # fmt: skip
-            if args.sweep and geometry == "gqa" and device.type == "cuda":
-                for bw, nw, items in itertools.product((1024, 2048, 4096, 8192), (4, 8), (1, 4)):
-                    k = KernelConfig(bw, nw, items)
+            if args.sweep and device.type == "cuda" and host_layout == args.layout[0]:
+                for k in SWEEP:
                     tk = Transfer(dev, host, kernel=k)
-                    entry: dict[str, object] = {"layout": host_layout, **asdict(k)}
+                    entry: dict[str, object] = {"geometry": geometry, "layout": host_layout}
+                    entry |= asdict(k)
                     entry["verified"] = case.verify(tk)
                     for direction in DIRECTIONS:
-                        ours, theirs, _ = case.measure(
-                            tk, direction, base[direction], max(3, args.repeats // 3)
-                        )
-                        entry[f"{direction}_gbps"] = round(case.layer_bytes / ours / 1e9, 2)
-                        entry[f"{direction}_ratio"] = round(theirs / ours, 3)
+                        m = case.measure(tk, direction, base[direction], max(3, args.repeats // 4))
+                        entry[f"{direction}_gbps"] = round(case.layer_bytes / m["ours"] / 1e9, 2)
+                        entry[f"{direction}_ratio"] = round(m["theirs"] / m["ours"], 3)
                     sweep.append(entry)
             host.close()
         del dev
@@ -239,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
 
     header = (
         f"{'geometry':<8} {'host layout':<12} {'dir':<4} {'pages':>6} {'MiB':>7} {'ms':>8} "
-        f"{'GB/s':>7} {'contig GB/s':>11} {'ratio':>6} {'submit us':>9} {'bytes ok':>8}"
+        f"{'GB/s':>7} {'contig GB/s':>11} {'ratio':>6} {'wall GB/s':>9} {'submit us':>9} "
+        f"{'bytes ok':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -247,13 +281,14 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r.geometry:<8} {r.layout:<12} {r.direction:<4} {r.pages:>6} "
             f"{r.bytes / 2**20:>7.1f} {r.ms:>8.3f} {r.gbps:>7.2f} {r.contiguous_gbps:>11.2f} "
-            f"{r.ratio:>6.3f} {r.submit_us:>9.1f} {'yes' if r.verified else 'NO':>8}"
+            f"{r.ratio:>6.3f} {r.wall_gbps:>9.2f} {r.submit_us:>9.1f} "
+            f"{'yes' if r.verified else 'NO':>8}"
         )
     if sweep:
-        print("\nkernel sweep (gqa): block words, warps, items per program -> GB/s (ratio)")
+        print("\nkernel sweep: block words, warps, items per program -> GB/s (ratio)")
         for e in sweep:
             print(
-                f"  {e['layout']:<12} block={e['block_words']:<5} warps={e['num_warps']} "
+                f"  {e['geometry']:<4} {e['layout']:<12} block={e['block_words']:<5} warps={e['num_warps']} "
                 f"items={e['items_per_program']:<2} d2h {e['d2h_gbps']:>6} ({e['d2h_ratio']}) "
                 f"h2d {e['h2d_gbps']:>6} ({e['h2d_ratio']}) {'ok' if e['verified'] else 'BAD'}"
             )
