@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 "gbps": round(r.gbps, 3),
                 "contiguous_gbps": round(r.contiguous_gbps, 3),
                 "ratio": round(r.ratio, 4),
+                "wall_gbps": round(r.wall_gbps, 3),
                 "submit_us": round(r.submit_us, 1),
             }
             for r in rows
