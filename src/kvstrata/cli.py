@@ -5,6 +5,7 @@ kvstrata check-model    compare a checkpoint's logits with transformers before s
 kvstrata bench radix    radix tree speed on the shared synthetic workload
 kvstrata bench prefill  prefill tokens/s against transformers on the same inputs
 kvstrata bench planner  one owner-lane eviction plan on the production fork's worst case
+kvstrata bench transfer batched page copies device <-> host against a contiguous pinned copy
 """
 
 from __future__ import annotations
@@ -174,11 +175,11 @@ def _run_check_model(args: argparse.Namespace) -> int:
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks (radix, prefill); each prints a table and a JSON line",
+        help="benchmarks (radix, prefill, transfer); each prints a table and a JSON line",
         description="Run a benchmark. Arguments after the name go to the benchmark "
         "(kvstrata bench radix --help).",
     )
-    p.add_argument("name", choices=["radix", "prefill", "planner"])
+    p.add_argument("name", choices=["radix", "prefill", "planner", "transfer"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_run_bench)
 
@@ -192,6 +193,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         from .benchmarks import planner
 
         return planner.main(args.rest)
+    if args.name == "transfer":
+        from .benchmarks import transfer
+
+        return transfer.main(args.rest)
     from .benchmarks import prefill
 
     return int(prefill.main(args.rest))
