@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 from unittest import mock
@@ -24,8 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstrata.benchmarks import prefill, radix
-from kvstrata.cli import build_parser, main
+from kvstrata.cli import BENCHMARKS, build_parser, main
 
 AVAILABLE_BYTES = 256 * 2**20
 
@@ -48,6 +48,25 @@ BASE = {
         "--warmup",
         "0",
     ],
+    "bench planner": ["bench", "planner", "--leaves", "20", "--pages", "4", "--deficit", "10"],
+    "bench transfer": [
+        "bench",
+        "transfer",
+        "--device",
+        "cpu",
+        "--pages",
+        "4",
+        "--page-size",
+        "4",
+        "--layers",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--geometry",
+        "gqa",
+    ],
 }
 
 
@@ -58,12 +77,11 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     commands = _subparsers(build_parser())
-    return {
-        "replay": commands["replay"],
-        "check-model": commands["check-model"],
-        "bench radix": radix.build_parser(),
-        "bench prefill": prefill.build_parser(),
-    }
+    parsers = {name: commands[name] for name in commands if name != "bench"}
+    for name in BENCHMARKS:
+        module = importlib.import_module(f"kvstrata.benchmarks.{name}")
+        parsers[f"bench {name}"] = module.build_parser()
+    return parsers
 
 
 def _value_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -126,6 +144,7 @@ def fuzz(command: str, max_examples: int) -> None:
 
 
 def test_every_command_has_flags_to_fuzz() -> None:
+    assert set(FLAGS) == set(BASE)
     assert {"--l1-tokens", "--threads", "--trace", "--kv-width"} <= set(FLAGS["replay"])
     assert {"--device", "--atol", "--page-size"} <= set(FLAGS["check-model"])
     assert {"--requests", "--budget"} <= set(FLAGS["bench radix"])
@@ -148,6 +167,15 @@ def test_bench_radix_flags() -> None:
 @pytest.mark.slow
 def test_bench_prefill_flags() -> None:
     fuzz("bench prefill", 20)
+
+
+def test_bench_planner_flags() -> None:
+    fuzz("bench planner", 20)
+
+
+@pytest.mark.slow
+def test_bench_transfer_flags() -> None:
+    fuzz("bench transfer", 20)
 
 
 @given(value=BAD_VALUES)

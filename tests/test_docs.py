@@ -4,11 +4,11 @@ flags are real."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 from pathlib import Path
 
-from kvstrata.benchmarks import prefill, radix
-from kvstrata.cli import build_parser
+from kvstrata.cli import BENCHMARKS, build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
@@ -17,21 +17,21 @@ TEXTS = [
     *sorted((ROOT / "src").rglob("*.py")),
     *sorted((ROOT / "scripts").glob("*")),
 ]
-# A repository file named in prose: docs/x.md, scripts/x.sh, src/..., tests/..., or a bare DESIGN.md.
-CITED = re.compile(r"(?<![\w./-])((?:docs|scripts|src|tests)/[\w./-]+\.\w+|[A-Z]+\.md)")
-
-
-def _cited() -> list[tuple[Path, str]]:
-    return [(path, m) for path in TEXTS for m in CITED.findall(path.read_text())]
+# A repository file named by its path (docs/x.md, scripts/x.sh, src/..., tests/...), which must
+# exist as written, or a document named bare ("design.md", "DESIGN.md"), which must be one of the
+# repository's documents whatever its case.
+PATH = re.compile(r"(?<![\w./-])((?:docs|scripts|src|tests)/[\w./-]+\.\w+)")
+BARE = re.compile(r"(?<![\w./-])([\w-]+\.md)\b")
+DOCUMENTS = {p.name.lower() for p in [*ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md")]}
 
 
 def test_cited_files_exist() -> None:
-    cited = _cited()
-    assert any(name.endswith("DESIGN.md") for _, name in cited)
-    missing = [
-        (str(path.relative_to(ROOT)), name)
-        for path, name in cited
-        if not (ROOT / name).exists() and not (ROOT / "docs" / name).exists()
+    paths = [(path, m) for path in TEXTS for m in PATH.findall(path.read_text())]
+    bare = [(path, m) for path in TEXTS for m in BARE.findall(path.read_text())]
+    assert any(name == "docs/design.md" for _, name in paths)
+    missing = [(str(p.relative_to(ROOT)), name) for p, name in paths if not (ROOT / name).exists()]
+    missing += [
+        (str(p.relative_to(ROOT)), name) for p, name in bare if name.lower() not in DOCUMENTS
     ]
     assert not missing
 
@@ -47,8 +47,9 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def test_readme_flags_exist() -> None:
-    known = _options(build_parser()) | _options(radix.build_parser())
-    known |= _options(prefill.build_parser())
+    known = _options(build_parser())
+    for name in BENCHMARKS:
+        known |= _options(importlib.import_module(f"kvstrata.benchmarks.{name}").build_parser())
     readme = (ROOT / "README.md").read_text()
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", readme))
     assert {"--threads", "--version", "--fail-on-error"} <= flags

@@ -4,6 +4,8 @@ kvstrata replay         run a workload through the prefill engine and report the
 kvstrata check-model    compare a checkpoint's logits with transformers before serving it
 kvstrata bench radix    radix tree speed on the shared synthetic workload
 kvstrata bench prefill  prefill tokens/s against transformers on the same inputs
+kvstrata bench planner  one owner-lane eviction plan on the production fork's worst case
+kvstrata bench transfer batched page copies device <-> host against a contiguous pinned copy
 
 Errors in the input end in one stderr line and exit status 2; :mod:`kvstrata.command` lists the
 exit codes.
@@ -12,8 +14,10 @@ exit codes.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from collections.abc import Callable
 
 from . import __version__
 from .command import (
@@ -29,6 +33,8 @@ from .command import (
 #: and two threads make a replay 10-20x slower as soon as another process uses a core
 #: (docs/benchmarks.md, "CPU threads"), while they gain at most ~1.3x on an idle machine.
 DEFAULT_THREADS = 1
+#: ``kvstrata bench NAME`` runs ``kvstrata.benchmarks.NAME.run_main``.
+BENCHMARKS = ("radix", "prefill", "planner", "transfer")
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -252,23 +258,19 @@ def _run_check_model(args: argparse.Namespace) -> int:
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks (radix, prefill); each prints a table and a JSON line",
+        help="benchmarks (radix, prefill, transfer); each prints a table and a JSON line",
         description="Run a benchmark. Arguments after the name go to the benchmark "
         "(kvstrata bench radix --help).",
     )
-    p.add_argument("name", choices=["radix", "prefill"], metavar="NAME", help="radix or prefill")
+    p.add_argument("name", choices=BENCHMARKS, metavar="NAME", help=", ".join(BENCHMARKS))
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS", help="the benchmark's flags")
     p.set_defaults(func=_run_bench)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    if args.name == "radix":
-        from .benchmarks import radix
-
-        return radix.run_main(args.rest)
-    from .benchmarks import prefill
-
-    return prefill.run_main(args.rest)
+    module = importlib.import_module(f".benchmarks.{args.name}", __package__)
+    run_main: Callable[[list[str]], int] = module.run_main
+    return run_main(args.rest)
 
 
 def build_parser() -> CommandParser:
