@@ -146,6 +146,9 @@ def _compare(
 ) -> CheckReport:
     import transformers
 
+    # Its loading and saving bars are noise next to the report (and a stream of carriage
+    # returns in a log file).
+    transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(path_or_preset)
         if path_or_preset in PRESETS and not path.exists():
