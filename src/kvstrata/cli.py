@@ -4,6 +4,7 @@ kvstrata replay         run a workload through the prefill engine and report the
 kvstrata check-model    compare a checkpoint's logits with transformers before serving it
 kvstrata bench radix    radix tree speed on the shared synthetic workload
 kvstrata bench prefill  prefill tokens/s against transformers on the same inputs
+kvstrata bench planner  one owner-lane eviction plan on the production fork's worst case
 kvstrata bench transfer batched page copies device <-> host against a contiguous pinned copy
 """
 
@@ -178,7 +179,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
         description="Run a benchmark. Arguments after the name go to the benchmark "
         "(kvstrata bench radix --help).",
     )
-    p.add_argument("name", choices=["radix", "prefill", "transfer"])
+    p.add_argument("name", choices=["radix", "prefill", "planner", "transfer"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_run_bench)
 
@@ -188,6 +189,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         from .benchmarks import radix
 
         return radix.main(args.rest)
+    if args.name == "planner":
+        from .benchmarks import planner
+
+        return planner.main(args.rest)
     if args.name == "transfer":
         from .benchmarks import transfer
 

@@ -34,7 +34,7 @@ from .config import CacheConfig, PoolConfig
 from .errors import ConfigError, RequestError
 from .keys import TokenKey
 from .model.batch import ForwardBatch
-from .ownership import page_span
+from .ownership import owners, page_span
 from .pool import DevicePool
 from .radix import Node, RadixTree
 from .workloads import Request
@@ -299,7 +299,8 @@ class Engine:
         need = page_span(n, P) - cached_len // P
         new_pages = allocator.alloc(cached_len // P, need)
         if new_pages is None:
-            allocator.free(tree.evict(need - allocator.num_free))
+            short = allocator.deficit(owners(cached_len // P, need, allocator.cp_size))
+            allocator.free(tree.evict(short))
             new_pages = allocator.alloc(cached_len // P, need)
         if new_pages is None:
             tree.unlock(hit.last_node)
@@ -346,7 +347,7 @@ class Engine:
         payload = (
             self.compute.snapshot(self.pool, run.pages, len(run.key)) if run.keep_logits else None
         )
-        result = self.tree.insert(run.key, run.pages, run.cached_len)
+        result = self.tree.insert(run.key, run.pages)
         self.allocator.free(result.free_pages)
         self.tree.unlock(run.node)
         return Finished(

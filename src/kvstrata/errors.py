@@ -12,6 +12,8 @@ Everything kvstrata raises on purpose derives from :class:`KVStrataError`::
     │   ├── ForeignPageError     a page freed into a lane that does not own it
     │   └── UnknownPageError     a page id outside the allocator's page space
     ├── TreeInvariantError       a radix tree ``check()`` found a broken invariant
+    ├── TreeUsageError           a radix tree call against its contract (pages it already holds,
+    │                            an evicted node, a residency change from the wrong state)
     ├── PoolInvariantError       a pool's ``check()`` found a broken invariant
     ├── TransferError            a transfer (tier-to-tier copy) used against its contract
     │   └── TransferTimeoutError a bounded wait for copies ran out
@@ -66,6 +68,10 @@ class UnknownPageError(AllocatorError):
 
 class TreeInvariantError(KVStrataError):
     """``RadixTree.check()`` found a broken invariant."""
+
+
+class TreeUsageError(KVStrataError):
+    """A radix tree call broke its contract; refused before the tree changed."""
 
 
 class PoolInvariantError(KVStrataError):

@@ -66,7 +66,7 @@ def replay(
     else:
         budget_pages = budget_tokens // P
     pool_pages = budget_pages + page_span(longest, P) + 1
-    tree = RadixTree(CacheConfig(page_size=P, eviction=eviction), capacity_pages=budget_pages)
+    tree = RadixTree(CacheConfig(page_size=P, eviction=eviction), capacity_pages=pool_pages)
     alloc = PageAllocator(PoolConfig(num_pages=pool_pages))
     low_pages = int(budget_pages * 0.9)
     matched: list[int] = []
@@ -82,7 +82,7 @@ def replay(
         cached_pages = hit.valid_len // P
         new_pages = alloc.alloc(cached_pages, page_span(tokens.size, P) - cached_pages)
         assert new_pages is not None, "pool sized to hold the budget plus one request"
-        result = tree.insert(key, np.concatenate((hit.device_pages, new_pages)), hit.valid_len)
+        result = tree.insert(key, np.concatenate((hit.device_pages, new_pages)))
         alloc.free(result.free_pages)
         if tree.num_pages > budget_pages:
             nodes_before = tree.num_nodes
