@@ -166,7 +166,7 @@ def test_a_pinning_failure_is_a_typed_error_and_unpins_what_was_pinned(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     with pytest.raises(PinnedMemoryError, match="cannot pin .* GiB of host memory"):
-        HostPool(LAYOUT, PAGE, 5, pin=True)
+        HostPool(LAYOUT, PAGE, 5, host_layout="layer_first", pin=True)
     assert fake.calls == 4
     gc.collect()
     assert fake.registered == set()  # the three slabs pinned before the failure were released

@@ -258,7 +258,7 @@ def _run_check_model(args: argparse.Namespace) -> int:
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks (radix, prefill, transfer); each prints a table and a JSON line",
+        help="benchmarks (radix, prefill, planner, transfer); each prints a table and a JSON line",
         description="Run a benchmark. Arguments after the name go to the benchmark "
         "(kvstrata bench radix --help).",
     )

@@ -18,7 +18,7 @@ import torch
 
 from .config import KVLayout, PayloadSpec
 from .errors import ConfigError
-from .model.batch import ForwardBatch
+from .model.batch import ForwardBatch, LayerHooks
 from .model.llama import LlamaModel
 from .pool import DevicePool
 
@@ -36,9 +36,11 @@ class Compute(Protocol):
         batch: ForwardBatch,
         pool: DevicePool,
         all_logits: bool = False,
+        hooks: LayerHooks | None = None,
     ) -> torch.Tensor | None:
         """Write the batch's KV; return ``[num_requests, vocab]`` last-token logits (``[T, vocab]``
-        for every packed token with ``all_logits``), or None without a model."""
+        for every packed token with ``all_logits``), or None without a model. ``hooks`` see
+        every layer before it reads the pool and after it wrote its KV."""
         ...
 
     def snapshot(
@@ -64,8 +66,11 @@ class ModelCompute:
         batch: ForwardBatch,
         pool: DevicePool,
         all_logits: bool = False,
+        hooks: LayerHooks | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, batch, pool, logits="all" if all_logits else "last")
+        return self.model(
+            input_ids, batch, pool, logits="all" if all_logits else "last", hooks=hooks
+        )
 
     def snapshot(self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int) -> None:
         return None
@@ -149,7 +154,10 @@ class SyntheticCompute:
         batch: ForwardBatch,
         pool: DevicePool,
         all_logits: bool = False,
+        hooks: LayerHooks | None = None,
     ) -> None:
+        if hooks is not None:
+            hooks.before_layer(0)  # one layer: its prefix rows are read below
         rows = pool.token_view("kv", 0)
         tokens = input_ids.to(torch.int64)
         # One cumulative sum over the packed batch, rebased per request onto the state its cached
@@ -166,6 +174,8 @@ class SyntheticCompute:
         lengths = torch.tensor(batch.extend_lens, device=tokens.device)
         state = (running + torch.repeat_interleave(prefix_state - before, lengths)) % _STATE_MOD
         rows.index_copy_(0, batch.write_index, _payload_bytes(state, tokens, self.kv_width))
+        if hooks is not None:
+            hooks.after_layer(0)
         return None
 
     def snapshot(

@@ -40,8 +40,11 @@ from .pool import torch_dtype
 
 HostLayout = Literal["layer_first", "page_first"]
 HOST_LAYOUTS: tuple[HostLayout, ...] = ("layer_first", "page_first")
-#: Chosen by ``kvstrata bench transfer`` on the H200 (docs/benchmarks.md).
-DEFAULT_HOST_LAYOUT: HostLayout = "layer_first"
+#: ``kvstrata bench transfer`` on the H200 moves one layer at the same speed in both layouts
+#: (docs/benchmarks.md), so the default is the one that also serves the disk tier: a page's layers
+#: are one extent (one write per page and payload on spill), in payloads x slabs allocations
+#: instead of payloads x layers x slabs.
+DEFAULT_HOST_LAYOUT: HostLayout = "page_first"
 #: Largest single allocation (one slab tensor); larger pools are split.
 DEFAULT_MAX_ALLOC_BYTES = 480 * 2**30
 _OS_PAGE = mmap.PAGESIZE

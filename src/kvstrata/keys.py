@@ -147,6 +147,21 @@ class TokenKey:
     def __len__(self) -> int:
         return int(self.tokens.size)
 
+    def prefix(self, num_tokens: int) -> TokenKey:
+        """The key of the first ``num_tokens`` tokens (a full-page boundary, or the whole key),
+        without hashing again: prefix keys are prefix-closed."""
+        if num_tokens == self.tokens.size:
+            return self
+        q, r = divmod(num_tokens, self.page_size)
+        assert r == 0 and 1 <= q <= self.num_full_pages, (num_tokens, self.page_size)
+        out = TokenKey.__new__(TokenKey)
+        out.tokens = self.tokens[:num_tokens]
+        out.page_size = self.page_size
+        out.num_full_pages = q
+        out.page_keys = self.page_keys[:q]
+        out.end_key = int(self.page_keys[q - 1])
+        return out
+
     def key_at(self, num_tokens: int) -> int:
         """The key of the prefix of ``num_tokens`` tokens, a full-page boundary or the end."""
         if num_tokens == self.tokens.size:

@@ -192,11 +192,14 @@ class InsertResult:
     free_pages: the caller's pages the tree did not keep (duplicates of cached pages, including a
         duplicate valid tail); the caller must free them.
     node: the node now holding the sequence's last token (the root if nothing was kept).
+    pages: the device pages that hold the sequence from now on: the tree's where it had its own
+        page for a position, the caller's elsewhere (a caller still computing reads these).
     """
 
     prefix_len: int
     free_pages: IntArray
     node: Node
+    pages: IntArray
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,19 +478,26 @@ class RadixTree:
         if tail_owner is not None and tail_owner is not node:
             tail_owner.last_access = self.clock
             self._notify_access([tail_owner], hit=False)
-        if split_leaf:
-            upper = self._split(node, m * P)
-            path = [*path[:-1], upper]
+        last_partial = bool(path) and path[-1].end > m * P and tail_owner is not path[-1]
+        if split_leaf or (last_partial and attach.any()):
+            # A host-only node gets device pages only where the caller has them: split first.
+            path = [*path[:-1], self._split(path[-1], m * P)]
         if attach.any():
             self._attach_along(path, tail_owner, pages)
         if split_leaf:
             node = self._new_leaf(path[-1], key, m, pages)
+        elif last_partial and not new_leaf and tail_owner is None:
+            node = path[-1]
         elif new_leaf:
             node = self._new_leaf(node, key, m, pages)
         elif tail_owner is not None:
             node = tail_owner
-        free_pages = pages[:kept][~own & ~attach].copy()
-        return InsertResult(prefix_len, free_pages, node)
+        dup = ~own & ~attach
+        free_pages = pages[:kept][dup].copy()
+        seq_pages = pages.copy()
+        replaced = dup & (tree_pages >= 0)  # not where a collision put other tokens
+        seq_pages[:kept][replaced] = tree_pages[replaced]
+        return InsertResult(prefix_len, free_pages, node, seq_pages)
 
     def _check_new_pages(self, tier: Tier, fresh: IntArray) -> None:
         """Refuse pages that would corrupt the tree: out of range, listed twice, already held,
@@ -516,6 +526,14 @@ class RadixTree:
         if allocator is not None and allocator.is_free(fresh).any():
             bad = int(fresh[np.flatnonzero(allocator.is_free(fresh))[0]])
             raise TreeUsageError(f"{tier.name} page {bad} was never allocated (it is free)")
+
+    def holds(self, pages: IntArray, tier: Tier = Tier.L1) -> npt.NDArray[np.bool_]:
+        """Which of ``pages`` (ids >= 0) the tree holds in ``tier``."""
+        held = self._held[tier]
+        out = np.zeros(pages.shape, dtype=np.bool_)
+        inside = pages < held.size
+        out[inside] = held[pages[inside]]
+        return out
 
     def _held_upto(self, tier: Tier, page: int) -> npt.NDArray[np.bool_]:
         """The tier's held-page mask, grown (doubling) to cover page id ``page``."""

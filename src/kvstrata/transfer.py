@@ -306,7 +306,10 @@ class Transfer:
             rec.missing.add(layer)
             return  # a failed ticket copies nothing more
         try:
-            rec.layers[layer] = self._copy_layer(direction, layer, dev, host, rec)
+            # Always in inference mode: a forward's hooks submit from inside it, so views the
+            # copier caches there are inference tensors, which only inference mode may update.
+            with torch.inference_mode():
+                rec.layers[layer] = self._copy_layer(direction, layer, dev, host, rec)
         except RuntimeError as err:  # torch, Triton launch and CUDA errors: the ticket reports it
             rec.error = f"{direction} layer {layer}: {str(err).strip().splitlines()[0]}"
             rec.missing.add(layer)
