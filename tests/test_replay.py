@@ -22,7 +22,7 @@ from kvstrata import replay as replay_module
 from kvstrata.cli import main
 from kvstrata.compute import ModelCompute
 from kvstrata.engine import Engine, EngineConfig
-from kvstrata.errors import WorkloadError
+from kvstrata.errors import CapacityError, WorkloadError
 from kvstrata.model.loader import load_model
 from kvstrata.replay import ReplayConfig, compare_logits, run_replay
 from kvstrata.workloads import load_mooncake
@@ -256,3 +256,12 @@ def test_threads_flag_sets_and_restores_torch_threads(capsys: pytest.CaptureFixt
     assert code == 0
     assert json.loads(out.strip().splitlines()[-1])["config"]["threads"] == 1
     assert torch.get_num_threads() == before
+
+
+def test_l2_host_pool_counts_against_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvstrata.limits.available_bytes", lambda device: 2**30)
+    cfg = ReplayConfig(
+        model="none", engine=EngineConfig(pool_tokens=4096, l2_tokens=2**25)
+    )  # 32 M tokens of 64 bytes: 2 GiB of host pool against 1 GiB available
+    with pytest.raises(CapacityError, match=r"the L2 host pool \(2,097,152 pages\)"):
+        run_replay(cfg, False)

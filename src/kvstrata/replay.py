@@ -262,6 +262,18 @@ def _check_memory(cfg: ReplayConfig, shape: _Shape) -> None:
     if shape.weight_bytes:
         parts.append(("the model weights", shape.weight_bytes))
     check_fits(parts, device, hint="lower --l1-tokens")
+    if engine.has_l2:  # the L2 host pool: pinned CPU memory, plus its allocator
+        page_bytes = shape.layout.page_bytes(engine.page_size)
+        host_pages = (
+            engine.l2_tokens // engine.page_size
+            if engine.l2_tokens
+            else int(engine.l2_gib * 2**30) // page_bytes
+        )
+        host = host_pages * (page_bytes + ALLOCATOR_BYTES_PER_PAGE)
+        cpu_parts = [(f"the L2 host pool ({host_pages:,} pages)", host)]
+        if device.type == "cpu":
+            cpu_parts = parts + cpu_parts
+        check_fits(cpu_parts, torch.device("cpu"), hint="lower --l1-tokens or the L2 size")
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
