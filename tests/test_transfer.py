@@ -144,14 +144,17 @@ def test_no_copy_crosses_a_slab_boundary(
         real(direction, payload, layer, slab, d, r)
 
     monkeypatch.setattr(t.copier, "copy", spy)
-    dev_slots, host_slots = torch.randperm(DEVICE_SLOTS)[:12], torch.randperm(HOST_SLOTS)[:12]
+    gen = torch.Generator().manual_seed(0)  # not the global RNG: other tests move it
+    dev_slots = torch.randperm(DEVICE_SLOTS, generator=gen)[:12]
+    host_slots = torch.randperm(HOST_SLOTS, generator=gen)[:12]
     _round_trip(t, dev_slots, host_slots)
     pairs = dict(zip(host_slots.tolist(), dev_slots.tolist(), strict=True))
     for payload in ("k", "q8"):
         got = [(h, d) for p, layer, _, ds, hs in calls[: len(calls) // 2] if (p, layer) == (payload, 0)
                for d, h in zip(ds.tolist(), hs.tolist(), strict=True)]  # fmt: skip
         assert sorted(got) == sorted(pairs.items())
-    assert {slab for _, _, slab, _, _ in calls} == set(range(6))
+    touched = {int(s) // host.slots_per_slab for s in host_slots}
+    assert {slab for _, _, slab, _, _ in calls} == touched
 
 
 def test_numpy_slots_and_empty_copies() -> None:
