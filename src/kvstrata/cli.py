@@ -28,6 +28,7 @@ from .command import (
     HelpFormatter,
     run_command,
 )
+from .config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, WRITE_POLICIES
 
 #: Default torch intra-op threads of ``replay``: one, because the engine's per-step ops are small
 #: and two threads make a replay 10-20x slower as soon as another process uses a core
@@ -75,6 +76,41 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=262_144,
         help="device pool (L1) size in tokens",
+    )
+    p.add_argument(
+        "--l2-tokens",
+        type=int,
+        default=0,
+        help="host pool (L2) size in tokens: pinned host memory on a CUDA machine, plain memory "
+        "otherwise; 0 with no --l2-gib: no L2",
+    )
+    p.add_argument(
+        "--l2-gib",
+        type=float,
+        default=0.0,
+        help="host pool (L2) size in GiB (instead of --l2-tokens)",
+    )
+    p.add_argument(
+        "--host-layout",
+        choices=list(HOST_LAYOUTS),
+        default=DEFAULT_HOST_LAYOUT,
+        help="L2 page layout: page_first keeps one page's layers together (one extent per page "
+        "for the disk tier), layer_first mirrors the device pool; both copy at the same speed",
+    )
+    p.add_argument(
+        "--write-policy",
+        choices=list(WRITE_POLICIES),
+        default="write_through",
+        help="when device pages are backed up to L2: write_through (every computed chunk, layer "
+        "by layer during the forward), write_through_selective (a node once hit "
+        "--write-through-hits times), write_back (a node when L1 eviction would drop it)",
+    )
+    p.add_argument(
+        "--write-through-hits",
+        type=int,
+        default=2,
+        metavar="N",
+        help="with write_through_selective: back a node up once it has N hits",
     )
     p.add_argument(
         "--chunk-size", type=int, default=2048, help="max tokens a request computes per step"
@@ -152,6 +188,11 @@ def _run_replay(args: argparse.Namespace) -> int:
         engine=EngineConfig(
             page_size=args.page_size,
             pool_tokens=args.l1_tokens,
+            l2_tokens=args.l2_tokens,
+            l2_gib=args.l2_gib,
+            host_layout=args.host_layout,
+            write_policy=args.write_policy,
+            write_through_hits=args.write_through_hits,
             chunk_size=args.chunk_size,
             max_batch_tokens=args.max_batch_tokens,
             max_batch_requests=args.max_batch_requests,

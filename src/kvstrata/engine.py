@@ -34,9 +34,16 @@ import torch
 
 from .allocator import PageAllocator
 from .compute import Compute
-from .config import CacheConfig, PoolConfig
+from .config import (
+    DEFAULT_HOST_LAYOUT,
+    HOST_LAYOUTS,
+    WRITE_POLICIES,
+    CacheConfig,
+    HostLayout,
+    PoolConfig,
+)
 from .errors import ConfigError, RequestError
-from .host_pool import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, HostPool
+from .host_pool import HostPool
 from .keys import TokenKey
 from .loadback import LoadBack
 from .model.batch import ForwardBatch
@@ -47,7 +54,7 @@ from .residency import Tier
 from .tickets import FrontierFn, TicketKind, TicketLedger, local_frontier
 from .transfer import Transfer, TransferStats
 from .workloads import Request
-from .writethrough import WRITE_POLICIES, Reservation, WriteThrough
+from .writethrough import Reservation, WriteThrough
 
 IntArray = npt.NDArray[np.int64]
 GIB = 1 << 30
@@ -68,7 +75,7 @@ class EngineConfig:
     check_every_step: bool = False
     l2_tokens: int = 0
     l2_gib: float = 0.0
-    host_layout: str = DEFAULT_HOST_LAYOUT
+    host_layout: HostLayout = DEFAULT_HOST_LAYOUT
     write_policy: str = "write_through"
     write_through_hits: int = 2
     max_host_alloc_gib: float = 480.0
@@ -95,8 +102,10 @@ class EngineConfig:
             )
         if not isinstance(self.l2_tokens, int) or self.l2_tokens < 0:
             raise ConfigError(f"--l2-tokens must be an integer >= 0, got {self.l2_tokens!r}")
-        if not (self.l2_gib >= 0 and self.l2_gib < float("inf")):
-            raise ConfigError(f"--l2-gib must be a finite number >= 0, got {self.l2_gib!r}")
+        if not 0 <= self.l2_gib <= 2**20:
+            raise ConfigError(
+                f"--l2-gib must be a number in [0, 1048576] (1 PiB), got {self.l2_gib!r}"
+            )
         if self.l2_tokens and self.l2_gib:
             raise ConfigError("give the L2 size once: --l2-tokens or --l2-gib, not both")
         if 0 < self.l2_tokens < self.page_size:
@@ -116,7 +125,7 @@ class EngineConfig:
             raise ConfigError(
                 f"--write-through-hits must be an integer >= 1, got {self.write_through_hits!r}"
             )
-        if not self.max_host_alloc_gib > 0:
+        if not 0 < self.max_host_alloc_gib <= 2**20:
             raise ConfigError(
                 f"the per-allocation cap must be > 0 GiB, got {self.max_host_alloc_gib!r}"
             )
@@ -211,7 +220,7 @@ class Engine:
                 layout,
                 P,
                 host_pages,
-                host_layout=config.host_layout,  # type: ignore[arg-type]
+                host_layout=config.host_layout,
                 max_alloc_bytes=int(config.max_host_alloc_gib * GIB),
             )
             self.host_allocator = PageAllocator(PoolConfig(num_pages=host_pages))

@@ -30,21 +30,18 @@ from __future__ import annotations
 import math
 import mmap
 import weakref
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from .config import KVLayout
+from .config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, HostLayout, KVLayout
 from .errors import CapacityError, ConfigError, PinnedMemoryError, PoolInvariantError
 from .pool import torch_dtype
 
-HostLayout = Literal["layer_first", "page_first"]
-HOST_LAYOUTS: tuple[HostLayout, ...] = ("layer_first", "page_first")
-#: ``kvstrata bench transfer`` on the H200 moves one layer at the same speed in both layouts
-#: (docs/benchmarks.md), so the default is the one that also serves the disk tier: a page's layers
-#: are one extent (one write per page and payload on spill), in payloads x slabs allocations
-#: instead of payloads x layers x slabs.
-DEFAULT_HOST_LAYOUT: HostLayout = "page_first"
+# The default layout (config.DEFAULT_HOST_LAYOUT, page_first): ``kvstrata bench transfer`` on the
+# H200 moves one layer at the same speed in both layouts (docs/benchmarks.md), so the default is
+# the one that also serves the disk tier: a page's layers are one extent (one write per page and
+# payload on spill), in payloads x slabs allocations instead of payloads x layers x slabs.
 #: Largest single allocation (one slab tensor); larger pools are split.
 DEFAULT_MAX_ALLOC_BYTES = 480 * 2**30
 _OS_PAGE = mmap.PAGESIZE

@@ -35,6 +35,7 @@ from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
 from .progress import Progress
+from .residency import Tier
 from .workloads import DEFAULT_VOCAB_SIZE, Request, SkippedLine, load_workload
 
 SUMMARY_SCHEMA = 1
@@ -116,6 +117,71 @@ class VerifyReport:
 
 
 @dataclass
+class TierReport:
+    """What the L2 host tier did during a replay (``hit_tokens_by_tier`` and friends)."""
+
+    l2_hit_tokens: int
+    host_pages: int
+    host_pages_cached_end: int
+    d2h_pages: int
+    d2h_bytes: int
+    h2d_pages: int
+    h2d_bytes: int
+    backups_done: int
+    backups_skipped: int
+    backups_failed: int
+    loads: int
+    loads_failed: int
+    load_back_wait_ms: float
+
+    @classmethod
+    def of(cls, engine: Engine) -> TierReport | None:
+        stats, backups, loads = engine.transfer_stats(), engine.backups, engine.loads
+        if stats is None or backups is None or loads is None or engine.host_allocator is None:
+            return None
+        return cls(
+            l2_hit_tokens=engine.hit_tokens[Tier.L2],
+            host_pages=engine.host_allocator.num_pages,
+            host_pages_cached_end=engine.tree.num_host_pages,
+            d2h_pages=stats.d2h_pages,
+            d2h_bytes=stats.d2h_bytes,
+            h2d_pages=stats.h2d_pages,
+            h2d_bytes=stats.h2d_bytes,
+            backups_done=backups.stats.done,
+            backups_skipped=backups.stats.skipped,
+            backups_failed=backups.stats.failed,
+            loads=loads.stats.loads,
+            loads_failed=loads.stats.failed,
+            load_back_wait_ms=round(loads.stats.wait_s * 1e3, 3),
+        )
+
+    def rows(self, cached_tokens: int) -> list[tuple[str, str]]:
+        return [
+            (
+                "hit tokens L1 / L2",
+                f"{cached_tokens - self.l2_hit_tokens:,} / {self.l2_hit_tokens:,}",
+            ),
+            (
+                "host pages (end / total)",
+                f"{self.host_pages_cached_end:,} / {self.host_pages:,}",
+            ),
+            (
+                "moved d2h / h2d",
+                f"{self.d2h_pages:,} pages {self.d2h_bytes / 2**20:,.1f} MiB / "
+                f"{self.h2d_pages:,} pages {self.h2d_bytes / 2**20:,.1f} MiB",
+            ),
+            (
+                "backups done / skipped / failed",
+                f"{self.backups_done:,} / {self.backups_skipped:,} / {self.backups_failed:,}",
+            ),
+            (
+                "load-backs (failed), wait ms",
+                f"{self.loads:,} ({self.loads_failed}), {self.load_back_wait_ms:.1f}",
+            ),
+        ]
+
+
+@dataclass
 class ReplaySummary:
     requests: int
     failed: int
@@ -134,6 +200,7 @@ class ReplaySummary:
     skipped: tuple[SkippedLine, ...] = ()
     interrupted: bool = False
     total_requests: int = 0  # requests in the workload (more than ``requests`` if interrupted)
+    tiers: TierReport | None = None  # what the L2 host tier did (None without one)
 
     @property
     def hit_ratio(self) -> float:
@@ -152,7 +219,12 @@ class ReplaySummary:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "hit_ratio": round(self.hit_ratio, 6),
-            "hit_tokens_by_tier": {"l1": self.cached_tokens, "l2": 0, "l3": 0},
+            "hit_tokens_by_tier": {
+                "l1": self.cached_tokens - (self.tiers.l2_hit_tokens if self.tiers else 0),
+                "l2": self.tiers.l2_hit_tokens if self.tiers else 0,
+                "l3": 0,
+            },
+            "tiers": asdict(self.tiers) if self.tiers else None,
             "computed_tokens": self.computed_tokens,
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "ttft_ms": self.ttft_ms,
@@ -197,6 +269,8 @@ class ReplaySummary:
             ),
             ("engine steps", f"{self.steps:,}"),
         ]
+        if self.tiers is not None:
+            rows += self.tiers.rows(self.cached_tokens)
         if self.verify.requests:
             rows.append((f"verify ({self.verify.requests} requests)", self.verify.describe()))
         width = max(len(k) for k, _ in rows)
@@ -345,6 +419,8 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
                 bar.update(len(done), sum(f.computed_len for f in done))
     except KeyboardInterrupt:
         interrupted = True
+    if not interrupted:
+        engine.drain()  # settle the copies still in flight, so the tiers report final state
     seconds = time.perf_counter() - start
 
     ok = [f for f in finished if f.error is None]
@@ -379,6 +455,11 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
             "vocab_size": compute.vocab_size,
             "page_size": cfg.engine.page_size,
             "l1_tokens": cfg.engine.pool_tokens,
+            "l2_tokens": cfg.engine.l2_tokens,
+            "l2_gib": cfg.engine.l2_gib,
+            "host_layout": cfg.engine.host_layout if cfg.engine.has_l2 else None,
+            "write_policy": cfg.engine.write_policy if cfg.engine.has_l2 else None,
+            "write_through_hits": cfg.engine.write_through_hits if cfg.engine.has_l2 else None,
             "chunk_size": cfg.engine.chunk_size,
             "max_batch_tokens": cfg.engine.max_batch_tokens,
             "max_batch_requests": cfg.engine.max_batch_requests,
@@ -393,6 +474,7 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
         skipped=workload.skipped,
         interrupted=interrupted,
         total_requests=len(requests),
+        tiers=TierReport.of(engine),
     )
 
 
@@ -401,7 +483,8 @@ def recompute_uncached(compute: Compute, config: EngineConfig, request: Request)
     page size and chunking), sized for that one request."""
     P = config.page_size
     pool_tokens = page_span(request.tokens.size, P) * P
-    solo = Engine(compute, EngineConfig(**{**asdict(config), "pool_tokens": pool_tokens}))
+    fields = {**asdict(config), "pool_tokens": pool_tokens, "l2_tokens": 0, "l2_gib": 0.0}
+    solo = Engine(compute, EngineConfig(**fields))
     solo.keep_logits = {request.rid}
     solo.add(request)
     out: list[Finished] = []

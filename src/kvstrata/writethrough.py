@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .allocator import PageAllocator
+from .config import WRITE_POLICIES
 from .errors import ConfigError
 from .ownership import owners
 from .radix import Node, RadixTree
@@ -36,8 +37,6 @@ from .tickets import TicketKind, TicketLedger
 from .transfer import Transfer
 
 IntArray = npt.NDArray[np.int64]
-
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 @dataclass
