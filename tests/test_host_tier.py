@@ -227,3 +227,27 @@ def test_l2_configuration_errors() -> None:
     ):
         with pytest.raises(ConfigError):
             EngineConfig(page_size=4, **kw)  # type: ignore[arg-type]
+
+
+def test_a_deferred_request_waits_for_the_chunk_it_needs_not_the_whole_prefill() -> None:
+    """Chunks are inserted as they finish: a request sharing only the first chunk of a long
+    running prefill starts as soon as that chunk is in the tree, and finishes first."""
+    engine = Engine(
+        SyntheticCompute(8, 1000),
+        EngineConfig(page_size=4, pool_tokens=256, chunk_size=8, max_batch_tokens=64),
+    )
+    long = Request(0, np.arange(1, 65, dtype=np.uint32))  # 64 tokens: 8 steps of 8
+    short = Request(1, np.concatenate([long.tokens[:8], np.arange(500, 504, dtype=np.uint32)]))
+    engine.add(long)
+    engine.add(short)
+    order: list[int] = []
+    steps = {}
+    while engine.has_work():
+        for f in engine.step():
+            order.append(f.rid)
+            steps[f.rid] = engine.steps
+            if f.rid == 1:
+                assert f.cached_len == 8  # it reused the long request's first chunk
+        engine.check()
+    assert order == [1, 0]
+    assert engine.deferred >= 1 and steps[1] <= 3
