@@ -35,6 +35,7 @@ from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
 from .progress import Progress
+from .radix import TreeStats
 from .residency import Tier
 from .workloads import DEFAULT_VOCAB_SIZE, Request, SkippedLine, load_workload
 
@@ -201,6 +202,7 @@ class ReplaySummary:
     interrupted: bool = False
     total_requests: int = 0  # requests in the workload (more than ``requests`` if interrupted)
     tiers: TierReport | None = None  # what the L2 host tier did (None without one)
+    tree: TreeStats | None = None  # the radix tree's own size at the end
 
     @property
     def hit_ratio(self) -> float:
@@ -225,6 +227,11 @@ class ReplaySummary:
                 "l3": 0,
             },
             "tiers": asdict(self.tiers) if self.tiers else None,
+            "tree": (
+                asdict(self.tree) | {"bytes_per_token": round(self.tree.bytes_per_token, 3)}
+                if self.tree
+                else None
+            ),
             "computed_tokens": self.computed_tokens,
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "ttft_ms": self.ttft_ms,
@@ -269,6 +276,13 @@ class ReplaySummary:
             ),
             ("engine steps", f"{self.steps:,}"),
         ]
+        if self.tree is not None:
+            rows.append(
+                (
+                    "tree nodes / bytes per token",
+                    f"{self.tree.nodes:,} / {self.tree.bytes_per_token:.2f}",
+                )
+            )
         if self.tiers is not None:
             rows += self.tiers.rows(self.cached_tokens)
         if self.verify.requests:
@@ -475,6 +489,7 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
         interrupted=interrupted,
         total_requests=len(requests),
         tiers=TierReport.of(engine),
+        tree=engine.tree.stats(),
     )
 
 
