@@ -240,3 +240,37 @@ def test_digest_sees_free_order_and_geometry() -> None:
     assert a.digest() != b.digest()
     assert PageAllocator(PoolConfig(8, 1)).digest() != PageAllocator(PoolConfig(8, 2)).digest()
     assert PageAllocator(PoolConfig(8, 2)).digest() != PageAllocator(PoolConfig(9, 2)).digest()
+
+
+@given(
+    start=st.one_of(st.integers(-5, -1), st.floats(allow_nan=True), st.text(max_size=2), st.none()),
+    count=st.one_of(
+        st.integers(-(10**9), -1), st.floats(allow_nan=True), st.text(max_size=2), st.just(True)
+    ),
+    which=st.sampled_from(["start", "count"]),
+    cp_size=st.sampled_from([1, 2, 4]),
+)
+@settings(max_examples=100, deadline=None)
+def test_bad_alloc_arguments_are_typed_errors(
+    start: object, count: object, which: str, cp_size: int
+) -> None:
+    """A negative or non-integer count or position raises AllocatorError at the call (old main
+    sliced with it and handed out garbage or raised a numpy error), and nothing is taken."""
+    alloc = PageAllocator(PoolConfig(16, cp_size))
+    before = alloc.digest()
+    args = (start, 2) if which == "start" else (0, count)
+    with pytest.raises(AllocatorError):
+        alloc.alloc(*args)  # type: ignore[arg-type]
+    assert alloc.digest() == before
+    alloc.check()
+
+
+def test_bad_owner_and_free_arrays_are_typed_errors() -> None:
+    alloc = PageAllocator(PoolConfig(8, 2))
+    with pytest.raises(AllocatorError):
+        alloc.alloc_pages_with_owners(np.array([0.5, 1.0]))
+    with pytest.raises(AllocatorError):
+        alloc.alloc_pages_with_owners(np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(AllocatorError):
+        alloc.free(np.array([1.0]))
+    alloc.check()

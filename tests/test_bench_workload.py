@@ -9,7 +9,7 @@ import pytest
 from lru_sim import LRUSim, engine_hits, random_workload
 
 from kvstrata.agentic import AgenticShape
-from kvstrata.benchmarks import replay_memory
+from kvstrata.benchmarks import memory
 from kvstrata.benchmarks.workload import describe
 from kvstrata.cli import main
 from kvstrata.workloads import Request, agentic, builtin
@@ -51,9 +51,9 @@ def test_bench_workload_prints_a_table_then_json(capsys: pytest.CaptureFixture[s
 
 @pytest.mark.slow
 def test_bench_memory_reports_both_modes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert replay_memory.main(["--sizes", "10", "30", "--l1-tokens", "400000"]) == 0
+    assert memory.main(["--sizes", "10", "30", "--l1-tokens", "400000"]) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert data["bench"] == "replay_memory"
+    assert data["bench"] == "memory"
     runs = data["runs"]
     assert [(r["mode"], r["requests"]) for r in runs] == [
         ("stream", 10),

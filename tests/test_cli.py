@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstrata import __version__
 from kvstrata.cli import main
 
 
@@ -18,6 +19,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_replay_defaults_print_table_and_json_last_line() -> None:
     out = run_cli("replay", "--json", "--no-progress")
     assert out.returncode == 0, out.stderr
@@ -52,6 +54,7 @@ GOOD = '{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}'
 GOOD2 = '{"timestamp": 5, "input_length": 700, "hash_ids": [1, 2]}'
 
 
+@pytest.mark.slow
 def test_malformed_trace_line_stops_with_its_line_number(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.jsonl", [GOOD, "{not json", GOOD2])
     out = run_cli("replay", "--model", "none", "--trace", str(trace), "--no-progress")
@@ -59,6 +62,7 @@ def test_malformed_trace_line_stops_with_its_line_number(tmp_path: Path) -> None
     assert ":2:" in out.stderr and "error" in out.stderr
 
 
+@pytest.mark.slow
 def test_malformed_trace_line_can_be_skipped(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.jsonl", [GOOD, '{"timestamp": 1}', GOOD2])
     out = run_cli(
@@ -102,3 +106,75 @@ def test_check_model_preset_agrees_with_transformers(capsys: pytest.CaptureFixtu
     assert main(["check-model", "tiny-qwen3", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["ok"] and report["max_abs_logit_diff"] < 1e-3 and report["argmax_agree"] == 1.0
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"kvstrata {__version__}\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "prog"),
+    [
+        (["replay", "--page-size", "abc"], "kvstrata replay"),
+        (["replay", "--eviction", "fifo"], "kvstrata replay"),
+        (["check-model"], "kvstrata check-model"),
+        (["no-such-command"], "kvstrata"),
+        (["bench"], "kvstrata bench"),
+        (["bench", "radix", "--requests", "x"], "kvstrata bench radix"),
+        (["bench", "radix", "--requests", "0"], "kvstrata bench radix"),
+        (["bench", "prefill", "--device", "nonsense"], "kvstrata bench prefill"),
+    ],
+)
+def test_usage_errors_are_one_line_too(
+    args: list[str], prog: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse's own errors used to print a usage block first; now every error is one line."""
+    try:
+        code = main(args)
+    except SystemExit as exit_:
+        code = exit_.code  # type: ignore[assignment]
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"{prog}: error: ")
+
+
+def test_check_model_validates_device(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-model", "tiny", "--device", "nonsense"]) == 2
+    assert "device 'nonsense' is not a torch device" in capsys.readouterr().err
+
+
+def test_check_model_fails_a_checkpoint_with_nan_weights(
+    nan_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from conftest import POISONED_WEIGHT
+
+    assert main(["check-model", str(nan_checkpoint), "--json"]) == 1
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["ok"] is False
+    assert report["nonfinite_ours"] > 0 and report["nonfinite_theirs"] > 0
+    assert report["nonfinite_weight_names"] == [POISONED_WEIGHT]
+    assert "verdict            FAIL" in out and "non-finite weights 1:" in out
+
+
+def test_check_model_passes_the_same_checkpoint_without_nan(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check-model", str(tiny_checkpoint)]) == 0
+    assert "non-finite logits  0 kvstrata, 0 transformers" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["radix", "--requests", "20", "--page-sizes", "16"],
+        ["prefill", "--device", "cpu", "--preset", "tiny", "--lengths", "8", "--repeats", "1"],
+    ],
+)
+def test_bench_json_names_the_benchmark(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", *args]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bench"] == args[0]

@@ -19,6 +19,7 @@ from kvstrata.config import CacheConfig, PoolConfig
 from kvstrata.eviction import PROBATION, PROTECTED, LRUPolicy, SLRUPolicy, make_policy
 from kvstrata.ownership import page_span
 from kvstrata.radix import MatchResult, Node, RadixTree
+from kvstrata.residency import Tier
 
 CAPACITY = 16  # tree capacity in pages: with protected_fraction 0.25 the SLRU cap is 4 pages
 HUGE = 10**9
@@ -50,7 +51,7 @@ def serve(
     start = cached // P
     fresh = alloc.alloc(start, page_span(n, P) - start)
     assert fresh is not None
-    result = tree.insert(key, np.concatenate([match.device_pages[:start], fresh]), cached)
+    result = tree.insert(key, np.concatenate([match.device_pages[:start], fresh]))
     alloc.free(result.free_pages)
     tree.unlock(match.last_node)
     return match
@@ -104,7 +105,7 @@ class SegmentModel:
         self.nodes: dict[int, Node] = {}
 
     def protected_pages(self) -> int:
-        return sum(self.nodes[i].pages.size for i, s in self.seg.items() if s == PROTECTED)
+        return sum(self.nodes[i].span for i, s in self.seg.items() if s == PROTECTED)
 
     def sync_structure(self, tree: RadixTree) -> None:
         """Register nodes an insert created (a split's upper half inherits its lower half's
@@ -140,7 +141,7 @@ def check_segments(tree: RadixTree) -> None:
     nodes = tree.nodes()
     if isinstance(policy, SLRUPolicy):
         protected = [n for n in nodes if n.segment == PROTECTED]
-        assert policy.protected_pages == sum(n.pages.size for n in protected)
+        assert policy.protected_pages == sum(n.span for n in protected)
         assert policy.protected_pages <= policy.cap_pages
         assert all(n.hit_count >= 2 for n in protected)
     else:
@@ -204,21 +205,23 @@ def assert_eviction_follows_the_brute_force(
     evicted: list[Node] = []
     while True:
         leaves = evictable_leaves(tree)
-        alive_before = {n.id: n for n in tree.nodes()}
         segments_before = {n.id: n.segment for n in leaves}
+        # One page at a time: the tail page of the brute force's first victim goes.
+        victim = brute_force_order(tree)[0] if leaves else None
+        tail = int(victim.pages[-1]) if victim is not None else None
         freed = tree.evict(1)
         if freed.size == 0:
             assert not leaves
             break
-        dead = [n for i, n in alive_before.items() if n.dead]
-        assert len(dead) == 1, "evict(1) must remove exactly one node"
-        victim = dead[0]
-        assert freed.tolist() == victim.pages.tolist()
+        assert victim is not None and freed.tolist() == [tail]
         if segments_before[victim.id] == PROTECTED:
             assert all(s == PROTECTED for s in segments_before.values()), (
                 "a protected leaf went before a probationary one"
             )
-        evicted.append(victim)
+        if victim.dead:
+            evicted.append(victim)
+        else:
+            assert victim.pages.size and victim.end % tree.page_size == 0
         alloc.free(freed)
         tree.check()
         check_segments(tree)
@@ -268,7 +271,7 @@ def test_lru_evicts_least_recently_used_first() -> None:
         serve(tree, alloc, seq)
     tree.match_prefix(a)
     order = tree.eviction_order()
-    firsts = [int(n.seq[0]) for n in order]
+    firsts = [int(n.tokens[0]) for n in order]
     assert firsts == [2, 3, 1]
     assert tree.evict(1).tolist() == order[0].pages.tolist()
 
@@ -296,7 +299,7 @@ def test_slru_protects_after_two_hits_and_evicts_probation_first() -> None:
     assert [n.id for n in tree.eviction_order()] == [b.id, a.id]
     assert tree.evict(1).tolist() == b.pages.tolist()
     alloc.free(b.pages)
-    assert tree.evict(1).tolist() == a.pages.tolist()
+    assert tree.evict(2).tolist() == a.pages.tolist()
     assert tree.policy.protected_pages == 0
 
 
@@ -371,8 +374,8 @@ def test_stale_heap_entries_are_rebuilt_away(eviction: str) -> None:
         tree.check()
     expected = brute_force_order(tree)
     victim = expected[0]
-    assert tree.evict(1).tolist() == victim.pages.tolist()
-    assert len(tree._heap) <= 4 * tree.num_nodes + 64
+    assert tree.evict(victim.span).tolist() == victim.pages.tolist()
+    assert len(tree.heaps[Tier.L1]) <= 4 * tree.num_nodes + 64
     tree.check()
     assert [n.id for n in tree.eviction_order()] == [n.id for n in expected[1:]]
 

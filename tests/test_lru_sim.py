@@ -1,9 +1,12 @@
 """The engine against the page-level LRU reference in ``lru_sim.py``, one request at a time.
 
 With ``max_batch_requests=1`` and chunks as long as the longest request, the engine's cached
-tokens per request must equal the reference's exactly. The whole-leaf reference models today's
-tree (and proves the reference and the harness right); the tail-first reference is what the tree
-must do once eviction frees only the deficit (issue 14, part 3).
+tokens per request must equal the tail-first reference's exactly: eviction frees only the deficit,
+trimming the least recently used leaf from its tail (issue 14, parts 3 and 5).
+
+The whole-leaf reference models the tree before tail-trim eviction; it matched that engine
+exactly on the same workloads and capacities (branch ``agentic``, commit b395dc9), which proved
+the reference and the harness. It stays for the hit-ratio comparison ``lru_sim.py`` prints.
 """
 
 from __future__ import annotations
@@ -101,29 +104,74 @@ def compare(case: Case, eviction: str) -> None:
         )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_engine_equals_whole_leaf_reference(case: Case) -> None:
-    compare(case, "whole_leaf")
+# radix.insert records its access on whole nodes of its walk. After an eviction it walks again,
+# one page past the capped match, and refreshes the whole node it ends in, pages after the
+# request's last token included (they then outlive older pages the request never touched);
+# without one it reuses match_prefix's capped walk and leaves a duplicate last page unrefreshed.
+# Walking again uncapped and splitting at the request's end first makes every case below equal.
+REFRESH_PAST_THE_REQUEST = (
+    "engine: an insert after an eviction records an access on its whole last node, past the "
+    "request's last page (radix.insert re-walks uncapped)"
+)
+
+FULL_CASES = [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=REFRESH_PAST_THE_REQUEST))
+    if c.name == "random"
+    else c
+    for c in CASES
+]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs tail-trim eviction (lead, issue 14 part 3)")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", FULL_CASES, ids=lambda c: c.name)
 def test_engine_equals_tail_first_reference(case: Case) -> None:
     compare(case, "tail_first")
 
 
-@settings(max_examples=25, deadline=None)
+@pytest.mark.xfail(strict=True, reason=REFRESH_PAST_THE_REQUEST)
+def test_an_insert_refreshes_only_the_pages_of_its_request() -> None:
+    z = np.arange(301, 305, dtype=np.uint32)  # 1 page, the oldest
+    a = np.arange(1, 13, dtype=np.uint32)  # 3 pages
+    c = np.arange(101, 109, dtype=np.uint32)  # 2 pages
+    y = np.arange(401, 405, dtype=np.uint32)  # 1 page: the 7-page cache is full
+    b = a[:8].copy()  # a0 a1: matches a0 (capped), a1 is a duplicate; z is evicted for it
+    d = np.arange(201, 209, dtype=np.uint32)  # 2 fresh pages, 1 short: a2 (A's) is the oldest
+    c2 = np.concatenate([c, tokens(7)])  # may hit c0 c1
+    arrays = [z, a, c, y, b, d, c2]
+    want = simulate(arrays, 4, 7, "tail_first")
+    assert want == [0, 0, 0, 0, 4, 0, 8]
+    assert engine_hits([Request(i, t) for i, t in enumerate(arrays)], 4, 7, vocab=500) == want
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="radix: match_prefix memoises its capped walk, so the insert of a page-aligned exact "
+    "prefix takes its cached last page for a hash collision",
+)
+def test_an_exact_page_aligned_repeat_is_no_hash_collision() -> None:
+    from kvstrata.compute import SyntheticCompute
+    from kvstrata.engine import Engine, EngineConfig
+
+    engine = Engine(SyntheticCompute(4, 500), EngineConfig(page_size=4, pool_tokens=64))
+    a = np.arange(1, 13, dtype=np.uint32)
+    for i, t in enumerate([a, a[:8].copy()]):
+        engine.add(Request(i, t))
+        while engine.has_work():
+            engine.step()
+    assert engine.tree.hash_collisions == 0
+
+
+@pytest.mark.xfail(strict=True, reason=REFRESH_PAST_THE_REQUEST)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(
     seed=st.integers(0, 2**32 - 1),
     page_size=st.sampled_from([1, 2, 4]),
     capacity_pages=st.integers(12, 60),
 )
-def test_engine_equals_whole_leaf_reference_on_random_workloads(
+def test_engine_equals_tail_first_reference_on_random_workloads(
     seed: int, page_size: int, capacity_pages: int
 ) -> None:
     arrays = list(random_workload(seed, 120, page_size, max_pages=12))
     requests = [Request(i, t) for i, t in enumerate(arrays)]
-    want = simulate(arrays, page_size, capacity_pages, "whole_leaf")
+    want = simulate(arrays, page_size, capacity_pages, "tail_first")
     assert engine_hits(requests, page_size, capacity_pages, vocab=8, check=True) == want

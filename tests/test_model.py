@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from kvstrata.errors import (
     CheckpointError,
     ConfigError,
+    ModelError,
     RequestError,
     UnsupportedArchitectureError,
 )
@@ -556,3 +557,122 @@ def test_load_rejects_unknown_preset() -> None:
 def test_load_rejects_unknown_dtype() -> None:
     with pytest.raises(ConfigError, match="dtype must be one of float32, bfloat16, float16"):
         load_model("tiny", dtype="float8")
+
+
+# --- hostile config.json and index files ------------------------------------------------------
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+CONFIG_KEYS = sorted(
+    set(LLAMA_3_2_1B_CONFIG_JSON)
+    | {"head_dim", "num_key_value_heads", "rope_parameters", "rope_theta", "rms_norm_eps"}
+)
+
+
+@given(key=st.sampled_from(CONFIG_KEYS), value=JSON_VALUES)
+@settings(max_examples=300, deadline=None)
+def test_from_hf_any_field_value_is_a_config_or_a_typed_error(key: str, value: object) -> None:
+    """Whatever JSON a field holds, reading config.json gives a config or a kvstrata error
+    (never a TypeError, ValueError or ZeroDivisionError from deep inside)."""
+    hf = LLAMA_3_2_1B_CONFIG_JSON | {key: value}
+    try:
+        config = ModelConfig.from_hf(hf)
+    except (ModelError, ConfigError):
+        return
+    assert isinstance(config, ModelConfig)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"num_attention_heads": "32"}, "num_attention_heads must be an integer >= 1, got '32'"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1, got 0"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+        ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a finite number > 0"),
+        ({"rope_theta": [1]}, "rope_theta must be a finite number > 0"),
+        ({"rope_scaling": 5}, "rope_parameters / rope_scaling must be an object"),
+        ({"architectures": "LlamaForCausalLM"}, "architectures must be a list of names"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be an integer >= 1"),
+    ],
+)
+def test_from_hf_names_the_field_of_the_wrong_type(change: dict, match: str) -> None:
+    with pytest.raises(CheckpointError, match=match):
+        ModelConfig.from_hf(LLAMA_3_2_1B_CONFIG_JSON | change)
+
+
+def test_loader_names_config_json_for_an_invalid_model(
+    llama_checkpoint: Path, tmp_path: Path
+) -> None:
+    hf = json.loads((llama_checkpoint / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(hf | {"num_key_value_heads": 3}))
+    with pytest.raises(CheckpointError, match=r"config\.json: num_heads \(4\) must be a multiple"):
+        load_model(tmp_path)
+
+
+def _index_checkpoint(src: Path, dst: Path, index: object) -> Path:
+    shutil.copy(src / "config.json", dst / "config.json")
+    shutil.copy(src / "model.safetensors", dst / "model.safetensors")
+    text = index if isinstance(index, str) else json.dumps(index)
+    (dst / "model.safetensors.index.json").write_text(text)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        "{not json",
+        "[" * 100_000 + "]" * 100_000,
+        [1, 2],
+        {"weight_map": ["model.safetensors"]},
+        {"weight_map": {"model.norm.weight": 5}},
+        {"weight_map": {"model.norm.weight": None}},
+        {"metadata": {}},
+    ],
+    ids=["not-json", "nested", "list", "map-list", "int-file", "null-file", "no-map"],
+)
+def test_loader_refuses_malformed_index(
+    llama_checkpoint: Path, tmp_path: Path, index: object
+) -> None:
+    _index_checkpoint(llama_checkpoint, tmp_path, index)
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "shard",
+    ["../model.safetensors", "sub/../../model.safetensors", "/etc/passwd", "C:\\x.safetensors", ""],
+)
+def test_loader_refuses_shards_outside_the_checkpoint(
+    llama_checkpoint: Path, tmp_path: Path, shard: str
+) -> None:
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    shutil.copy(llama_checkpoint / "model.safetensors", tmp_path / "model.safetensors")
+    _index_checkpoint(llama_checkpoint, inner, {"weight_map": {"model.norm.weight": shard}})
+    with pytest.raises(CheckpointError, match="not a file inside the checkpoint directory"):
+        load_model(inner)
+
+
+def test_loader_accepts_shards_in_a_subdirectory(llama_checkpoint: Path, tmp_path: Path) -> None:
+    (tmp_path / "shards").mkdir()
+    shutil.copy(llama_checkpoint / "config.json", tmp_path / "config.json")
+    shutil.copy(llama_checkpoint / "model.safetensors", tmp_path / "shards" / "all.safetensors")
+    names = load_file(llama_checkpoint / "model.safetensors")
+    index = {"weight_map": dict.fromkeys(names, "shards/all.safetensors")}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    config, _ = load_model(tmp_path)
+    assert config.architecture == "llama"
+
+
+def test_empty_model_name_is_not_the_working_directory() -> None:
+    with pytest.raises(ConfigError, match="'' is neither a checkpoint directory nor a preset"):
+        load_model("")

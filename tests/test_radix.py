@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from kvstrata import synthetic
 from kvstrata.allocator import PageAllocator
 from kvstrata.config import CacheConfig, PoolConfig
-from kvstrata.errors import ConfigError, InvalidTokensError, TreeInvariantError
+from kvstrata.errors import ConfigError, InvalidTokensError, TreeUsageError
 from kvstrata.keys import PrefixHasher
 from kvstrata.ownership import owners, page_span
 from kvstrata.radix import InsertResult, MatchResult, Node, RadixTree
@@ -43,12 +43,13 @@ def make(
     cp_size: int = 1,
     hasher: PrefixHasher | None = None,
     eviction: str = "lru",
+    allocator: bool = False,
 ) -> tuple[RadixTree, PageAllocator]:
+    """A tree and its allocator; with ``allocator`` the tree also checks pages against it."""
     cfg = CacheConfig(page_size=page_size, cp_size=cp_size, eviction=eviction)
-    return (
-        RadixTree(cfg, num_pages, hasher=hasher),
-        PageAllocator(PoolConfig(num_pages, cp_size)),
-    )
+    alloc = PageAllocator(PoolConfig(num_pages, cp_size))
+    tree = RadixTree(cfg, num_pages, hasher=hasher, allocator=alloc if allocator else None)
+    return tree, alloc
 
 
 def alloc_evicting(
@@ -56,8 +57,7 @@ def alloc_evicting(
 ) -> np.ndarray | None:
     """Pages for positions [start, start + count), evicting for the lanes that are short."""
     while (fresh := alloc.alloc(start, count)) is None:
-        short = int(alloc.deficit(owners(start, count, tree.cp_size)).sum())
-        freed = tree.evict(short)
+        freed = tree.evict(alloc.deficit(owners(start, count, tree.cp_size)))
         if freed.size == 0:
             return None
         if callable(on_evict):
@@ -79,11 +79,21 @@ def serve(tree: RadixTree, alloc: PageAllocator, tokens: object) -> MatchResult 
         fresh = alloc_evicting(tree, alloc, start, page_span(n, P) - start)
         if fresh is None:
             return None
-        result = tree.insert(key, np.concatenate([match.device_pages[:start], fresh]), cached)
+        result = tree.insert(key, np.concatenate([match.device_pages[:start], fresh]))
         alloc.free(result.free_pages)
     finally:
         tree.unlock(match.last_node)
     return match
+
+
+def path_tokens(node: Node) -> list[int]:
+    """The tokens of the whole path from the root to the end of ``node``."""
+    parts: list[list[int]] = []
+    cur: Node | None = node
+    while cur is not None and cur.parent is not None:
+        parts.append(cur.tokens.tolist())
+        cur = cur.parent
+    return [t for part in reversed(parts) for t in part]
 
 
 def tree_contents(tree: RadixTree) -> tuple[dict[Prefix, int], dict[Prefix, int]]:
@@ -92,7 +102,7 @@ def tree_contents(tree: RadixTree) -> tuple[dict[Prefix, int], dict[Prefix, int]
     full: dict[Prefix, int] = {}
     tails: dict[Prefix, int] = {}
     for node in tree.nodes():
-        path = node.seq[: node.end].tolist()
+        path = path_tokens(node)
         for i, page in enumerate(node.pages.tolist()):
             hi = node.start + (i + 1) * P
             if hi <= node.end:
@@ -253,13 +263,13 @@ def run_random_ops(
                 head = match.device_pages[:start] if match is not None else fresh[:0]
                 pages = np.concatenate([head, fresh])
                 expected_prefix = model.prefix_len(seq)
-                result: InsertResult = tree.insert(key, pages, cached)
+                result: InsertResult = tree.insert(key, pages)
                 dupes = model.insert(seq, pages, cached)
                 assert result.free_pages.tolist() == dupes
                 assert result.prefix_len == expected_prefix
                 node = result.node
                 assert node.start < n <= node.end
-                assert node.seq[:n].tolist() == seq
+                assert path_tokens(node)[:n] == seq
                 alloc.free(result.free_pages)
             if match is not None:
                 tree.unlock(match.last_node)
@@ -276,18 +286,21 @@ def run_random_ops(
         elif op == "evict":
             want = data.draw(st.sampled_from([1, 2, 5, HUGE]), label="evict pages")
             planned = tree.eviction_order()
+            # Eviction releases the planned victims' pages in order, the last one only from its
+            # tail as far as needed, and stops the moment it has enough.
+            expected, remaining = [], want
+            for victim in planned:
+                take = min(remaining, victim.pages.size)
+                expected += victim.pages[victim.pages.size - take :].tolist()
+                remaining -= take
+                if remaining == 0:
+                    break
             before = tree.num_pages
             freed = tree.evict(want)
             on_evict(freed)
             alloc.free(freed)
             assert freed.size == before - tree.num_pages
-            # evict removes a prefix of the planned order, and stops as soon as it has enough.
-            victims = [n for n in planned if n.dead]
-            assert victims == planned[: len(victims)]
-            expected = [p for n in victims for p in n.pages.tolist()]
             assert freed.tolist() == expected
-            if victims:
-                assert freed.size - victims[-1].pages.size < want
             if freed.size < want:
                 assert tree.eviction_order() == []
             if want == HUGE:
@@ -365,7 +378,7 @@ def test_a_valid_tail_is_never_extended(page_size: int) -> None:
     assert match.valid_len == P
     fresh = alloc.alloc(1, page_span(len(longer), P) - 1)
     assert fresh is not None
-    result = tree.insert(longer, np.concatenate([match.device_pages, fresh]), P)
+    result = tree.insert(longer, np.concatenate([match.device_pages, fresh]))
     assert result.free_pages.size == 0
     tree.check()
     # The short sequence's tail page is untouched and now sits beside the longer sequence.
@@ -397,7 +410,7 @@ def test_sequence_ending_inside_a_cached_page_is_a_sibling(page_size: int) -> No
     assert match.valid_len == P
     tail = alloc.alloc(1, 1)
     assert tail is not None
-    result = tree.insert(short, np.concatenate([match.device_pages, tail]), P)
+    result = tree.insert(short, np.concatenate([match.device_pages, tail]))
     assert result.free_pages.size == 0 and result.prefix_len == P
     tree.check()
     assert tree.num_pages == 4
@@ -441,7 +454,7 @@ def test_duplicate_tail_is_freed_whether_inside_a_node_or_a_lone_leaf() -> None:
         start = match.valid_len // P
         fresh = alloc.alloc(start, expected_pages - start)
         assert fresh is not None
-        result = tree.insert(query, np.concatenate([match.device_pages, fresh]), match.valid_len)
+        result = tree.insert(query, np.concatenate([match.device_pages, fresh]))
         assert result.prefix_len == len(query)
         assert result.free_pages.tolist() == fresh.tolist()
         alloc.free(result.free_pages)
@@ -507,11 +520,15 @@ def test_evict_stops_once_enough_pages_are_freed() -> None:
     for seq in ([1, 2, 3], [4, 5], [6], [7, 8, 9, 10]):
         assert serve(tree, alloc, seq) is not None
     oldest = tree.eviction_order()[0]
-    assert oldest.tokens().tolist() == [1, 2, 3]  # the least recently used leaf
-    freed = tree.evict(2)  # one leaf of 3 pages is enough; nothing more goes
-    assert freed.tolist() == oldest.pages.tolist()
-    assert tree.num_pages == 7
+    assert oldest.tokens.tolist() == [1, 2, 3]  # the least recently used leaf
+    pages = oldest.pages.tolist()
+    freed = tree.evict(2)  # two pages of its tail are enough; nothing more goes
+    assert freed.tolist() == pages[1:]
+    assert tree.num_pages == 8
+    assert oldest.tokens.tolist() == [1] and not oldest.dead
+    assert tree.match_prefix([1, 2, 3]).valid_len == 1  # what stays is still a prefix
     assert tree.evict(0).size == 0
+    tree.check()
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -543,44 +560,99 @@ def test_bad_insert_arguments_leave_the_tree_unchanged() -> None:
     assert pages is not None
     snapshot = tree.digest()
     for bad_pages in (pages[:2], np.concatenate([pages, pages[:1]]), pages.reshape(1, 3)):
-        with pytest.raises(ConfigError, match="needs 3 pages"):
+        with pytest.raises(ConfigError, match="needs 3 integer pages"):
             tree.insert(seq, bad_pages)
-    with pytest.raises(ConfigError, match="page-aligned"):
-        tree.insert(seq, pages, cached_len=2)
-    with pytest.raises(ConfigError, match="page-aligned"):
-        tree.insert(seq, pages, cached_len=12)
-    with pytest.raises(ConfigError, match="exceeds"):
-        tree.insert(seq, pages, cached_len=4)  # nothing is cached yet
     assert tree.digest() == snapshot
     tree.check()
 
 
-def test_negative_cached_len_is_rejected() -> None:
-    tree, alloc = make(4)
-    seq = list(range(8))
-    pages = alloc.alloc(0, 2)
-    assert pages is not None
-    tree.insert(seq, pages)
-    with pytest.raises(ConfigError):
-        tree.insert(seq, pages.copy(), cached_len=-4)
+def test_insert_after_a_match_never_returns_the_trees_own_pages() -> None:
+    """Old main returned the matched pages as duplicates when the caller left cached_len at 0;
+    freeing them handed cached pages out again. The tree now recognises its own pages."""
+    tree, alloc = make(4, num_pages=16, allocator=True)
+    first = alloc.alloc(0, 2)
+    assert first is not None
+    tree.insert(list(range(8)), first)
+    match = tree.match_prefix(list(range(12)))
+    assert match.valid_len == 8
+    fresh = alloc.alloc(2, 1)
+    assert fresh is not None
+    result = tree.insert(list(range(12)), np.concatenate([match.device_pages, fresh]))
+    assert result.free_pages.size == 0
+    assert tree.num_pages == 3
+    alloc.free(result.free_pages)
+    tree.check()
+
+
+@given(data=st.data())
+@settings(max_examples=80, deadline=None)
+def test_insert_refuses_pages_that_would_corrupt_the_tree(data: st.DataObject) -> None:
+    """Pages the tree holds at other positions, pages listed twice, pages never allocated and
+    page ids out of range raise TreeUsageError at the call, and the tree is unchanged."""
+    P = 2
+    tree, alloc = make(P, num_pages=32, allocator=True)
+    for seq in ([1, 1, 2, 2, 3], [1, 1, 4, 4], [7, 7, 7]):
+        assert serve(tree, alloc, seq) is not None
+    seq = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=8), label="seq")
+    n_pages = page_span(len(seq), P)
+    held = sorted({p for n in tree.nodes() for p in n.pages.tolist()})
+    free = np.flatnonzero(alloc.is_free(np.arange(32))).tolist()
+    used_fresh = alloc.alloc(0, min(n_pages, alloc.num_free))
+    assert used_fresh is not None
+    kind = data.draw(st.sampled_from(["held", "twice", "free", "range"]), label="kind")
+    pages = np.array([int(used_fresh[i]) if i < used_fresh.size else 31 for i in range(n_pages)])
+    i = data.draw(st.integers(0, n_pages - 1), label="position")
+    if kind == "held":
+        match = tree.match_prefix(seq)
+        own = match.device_pages.tolist()
+        candidates = [p for j, p in enumerate(held) if j >= len(own) or p != own[j]]
+        pages[i] = data.draw(st.sampled_from(candidates))
+        if i < len(own) and pages[i] == own[i]:
+            return  # that is the tree's own page at its own position: legal
+    elif kind == "twice":
+        if n_pages < 2:
+            return
+        j = data.draw(st.integers(0, n_pages - 1).filter(lambda j: j != i), label="other")
+        pages[j] = pages[i]
+    elif kind == "free":
+        still_free = [p for p in free if alloc.is_free(np.array([p]))[0]]
+        pages[i] = data.draw(st.sampled_from(still_free))
+    else:
+        pages[i] = data.draw(st.sampled_from([-1, 32, 10**6]))
+    snapshot = tree.digest()
+    with pytest.raises(TreeUsageError):
+        tree.insert(seq, pages)
+    assert tree.digest() == snapshot
+    tree.check()
+
+
+def test_lock_of_an_evicted_node_raises() -> None:
+    tree, alloc = make(2)
+    assert serve(tree, alloc, [1, 2, 3, 4]) is not None
+    node = tree.match_prefix([1, 2, 3, 4]).last_node
+    alloc.free(tree.evict(HUGE))
+    assert node.dead
+    with pytest.raises(TreeUsageError, match="evicted"):
+        tree.lock(node)
+    tree.check()
 
 
 def test_unlock_of_an_unlocked_node() -> None:
     tree, alloc = make(2)
     assert serve(tree, alloc, [1, 2, 3, 4]) is not None
     node = tree.match_prefix([1, 2, 3, 4]).last_node
-    with pytest.raises(TreeInvariantError):
+    with pytest.raises(TreeUsageError):
         tree.unlock(node)
     tree.lock(node)
     tree.unlock(node)
-    with pytest.raises(TreeInvariantError):
+    with pytest.raises(TreeUsageError):
         tree.unlock(node)
     tree.check()
 
 
 def test_unlock_of_the_root_without_a_lock() -> None:
     tree, _ = make(2)
-    with pytest.raises(TreeInvariantError):
+    with pytest.raises(TreeUsageError):
         tree.unlock(tree.root)
     assert tree.evict(1).size == 0
 
@@ -618,7 +690,7 @@ def test_collision_inside_a_node_falls_back_to_exact_tokens() -> None:
     fresh = alloc.alloc(2, 2)
     assert fresh is not None
     full = np.concatenate([match.device_pages, fresh])
-    result = tree.insert(query, full, 2)
+    result = tree.insert(query, full)
     assert result.free_pages.tolist() == model.insert(query, full, 2) == []
     assert_consistent(tree, alloc, model)
     checked_match(tree, model, stored)
@@ -740,7 +812,7 @@ _DIGEST_SCRIPT = textwrap.dedent(
             freed = tree.evict(int(alloc.deficit(owners(s, k, CP)).sum()))
             assert freed.size
             alloc.free(freed)
-        res = tree.insert(key, np.concatenate([m.device_pages[:s], fresh]), cached)
+        res = tree.insert(key, np.concatenate([m.device_pages[:s], fresh]))
         alloc.free(res.free_pages)
         tree.unlock(m.last_node)
     tree.check()

@@ -1,210 +1,267 @@
-"""Streamed replay: bounded look-ahead, nothing kept per request, a sample chosen on the fly."""
+"""``kvstrata replay`` as a contract: verification that cannot say OK wrongly, exit codes, partial
+results on Ctrl-C, and checks that run before anything large is built."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
-import weakref
-from collections import Counter
-from collections.abc import Callable, Iterator
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
-from kvstrata import replay
-from kvstrata.agentic import AgenticShape
-from kvstrata.benchmarks.replay_memory import run_child
-from kvstrata.compute import SyntheticCompute
+from kvstrata import replay as replay_module
+from kvstrata.cli import main
+from kvstrata.compute import ModelCompute
 from kvstrata.engine import Engine, EngineConfig
-from kvstrata.errors import ConfigError
-from kvstrata.replay import ReplayConfig, VerifySample, run_replay
-from kvstrata.workloads import Request, SkippedLine, Workload, agentic, builtin
+from kvstrata.errors import CapacityError, WorkloadError
+from kvstrata.model.loader import load_model
+from kvstrata.replay import ReplayConfig, compare_logits, run_replay
+from kvstrata.workloads import load_mooncake
+
+BASE = ["replay", "--model", "none", "--no-progress"]
 
 
-class _Tracked(Request):
-    """A request that can be weakly referenced (the slotted base cannot)."""
+def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-class LiveCounter:
-    """Wraps a request stream; records the most requests alive at once."""
-
-    def __init__(self, requests: Callable[[], Iterator[Request]]) -> None:
-        self.requests = requests
-        self.alive = 0
-        self.most_alive = 0
-        self.created = 0
-
-    def _gone(self) -> None:
-        self.alive -= 1
-
-    def open(self, skip: Callable[[SkippedLine], None]) -> Iterator[Request]:
-        for r in self.requests():
-            tracked = _Tracked(r.rid, r.tokens, r.arrival_ms)
-            weakref.finalize(tracked, self._gone)
-            self.alive += 1
-            self.created += 1
-            self.most_alive = max(self.most_alive, self.alive)
-            yield tracked
-            del tracked, r
-
-
-SMALL_AGENTIC = AgenticShape(sessions=32).scaled(0.01)
-
-
-@pytest.mark.parametrize(("max_batch", "lookahead", "verify"), [(4, None, 0), (2, 5, 3)])
-def test_replay_holds_only_the_lookahead_window(
-    monkeypatch: pytest.MonkeyPatch, max_batch: int, lookahead: int | None, verify: int
-) -> None:
-    counter = LiveCounter(lambda: agentic(0, 300, 512, SMALL_AGENTIC))
-    monkeypatch.setattr(replay, "load_workload", lambda *a, **k: Workload("counted", counter.open))
-    cfg = ReplayConfig(
-        workload="counted",
-        model="none",
-        kv_width=4,
-        vocab_size=512,
-        verify=verify,
-        lookahead=lookahead,
-        engine=EngineConfig(page_size=8, pool_tokens=4096, max_batch_requests=max_batch),
-    )
-    summary = run_replay(cfg, progress=False)
-    window = lookahead or 2 * max_batch
-    assert summary.requests == counter.created == 300
-    # The window is used, and nothing else is kept: the verify sample, and the request being made.
-    assert window <= counter.most_alive <= window + verify + 1
-    assert summary.verify.requests == verify
-    if verify:
-        assert summary.verify.payload_mismatched_bytes == 0
-    assert summary.config["lookahead"] == window
-
-
-@pytest.mark.parametrize(
-    ("config", "lookahead"),
-    [
-        (EngineConfig(page_size=8, pool_tokens=1024), None),  # the window (128) holds all 48
-        (EngineConfig(page_size=8, pool_tokens=640, max_batch_requests=1), 1),  # one at a time
-    ],
-)
-def test_streamed_replay_equals_adding_everything_up_front(
-    config: EngineConfig, lookahead: int | None
-) -> None:
-    engine = Engine(SyntheticCompute(4, 512), config)
-    for r in builtin(512):
-        engine.add(r)
-    cached = 0
-    while engine.has_work():
-        cached += sum(f.cached_len for f in engine.step())
-    cfg = ReplayConfig(
-        workload="builtin",
-        model="none",
-        kv_width=4,
-        vocab_size=512,
-        lookahead=lookahead,
-        engine=config,
-    )
-    summary = run_replay(cfg, progress=False)
-    assert summary.requests == 48 and summary.failed == 0
-    assert summary.cached_tokens == cached > 0
-
-
-def test_lookahead_below_the_batch_is_refused() -> None:
-    with pytest.raises(ConfigError, match="--lookahead"):
-        ReplayConfig(lookahead=3, engine=EngineConfig(max_batch_requests=4))
-
-
-# -- the verify sample ---------------------------------------------------------------------------
-
-
-def offer_all(size: int, seed: int, n: int) -> tuple[VerifySample, set[int]]:
-    keep: set[int] = set()
-    sample = VerifySample(size, seed, keep)
-    token = np.ones(1, dtype=np.uint32)
-    for rid in range(n):
-        sample.offer(Request(rid, token))
-    return sample, keep
-
-
-def test_verify_sample_is_a_seeded_reservoir() -> None:
-    sample, keep = offer_all(5, seed=1, n=100)
-    assert keep == set(sample.requests) and len(keep) == 5
-    assert offer_all(5, seed=1, n=100)[1] == keep  # the same on every run
-    assert offer_all(5, seed=2, n=100)[1] != keep
-    assert offer_all(5, seed=1, n=3)[1] == {0, 1, 2}  # fewer requests than asked: all of them
-    assert offer_all(0, seed=1, n=10)[1] == set()
-
-
-def test_verify_sample_is_uniform() -> None:
-    n, size, runs = 20, 4, 4000
-    counts: Counter[int] = Counter()
-    for seed in range(runs):
-        counts.update(offer_all(size, seed, n)[1])
-    expected = runs * size / n  # 800 per request
-    assert all(abs(counts[rid] - expected) < 0.15 * expected for rid in range(n))
-
-
-# -- a long trace streams ------------------------------------------------------------------------
-
-BLOCK = 512
-SHARED_BLOCKS = 190  # every request: 190 shared blocks, then 6 of its own (100,352 tokens)
-
-
-def write_long_trace(path: Path, n_requests: int) -> Path:
-    with path.open("w") as f:
-        for i in range(n_requests):
-            own = list(range(1_000 + 6 * i, 1_000 + 6 * i + 6))
-            record = {
-                "timestamp": i,
-                "input_length": 100_000,
-                "hash_ids": [*range(SHARED_BLOCKS), *own],
-            }
-            f.write(json.dumps(record) + "\n")
+def write_trace(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
     return path
 
 
-_READ = (
-    "import sys\n"
-    "from kvstrata.workloads import load_workload\n"
-    "print(sum(r.tokens.size for r in load_workload(sys.argv[1])))\n"
+def trace_line(input_length: int, hash_ids: list[int]) -> str:
+    return json.dumps({"timestamp": 0, "input_length": input_length, "hash_ids": hash_ids})
+
+
+# -- verification never says OK wrongly ----------------------------------------------------------
+
+
+finite_or_not = st.floats(allow_nan=True, allow_infinity=True, width=32)
+
+
+@given(
+    pair=st.integers(1, 40).flatmap(
+        lambda n: st.tuples(
+            hnp.arrays(np.float32, n, elements=finite_or_not),
+            hnp.arrays(np.float32, n, elements=finite_or_not),
+        )
+    )
 )
+@settings(max_examples=200, deadline=None)
+@example(pair=(np.array([3e38], np.float32), np.array([-3e38], np.float32)))
+def test_compare_logits_counts_every_nonfinite_value(pair: tuple[np.ndarray, np.ndarray]) -> None:
+    a, b = pair
+    diff, nonfinite = compare_logits(torch.from_numpy(a), torch.from_numpy(b))
+    assert nonfinite == int((~np.isfinite(a)).sum() + (~np.isfinite(b)).sum())
+    both = np.isfinite(a) & np.isfinite(b)
+    expected = float(np.abs(a[both].astype(np.float64) - b[both]).max()) if both.any() else 0.0
+    assert diff == expected
+    assert np.isfinite(diff)
 
 
-def test_a_trace_of_100k_token_requests_streams(tmp_path: Path) -> None:
-    """800 requests of 100,000 tokens are 320 MB of token ids loaded whole (about 360 MB more
-    at the issue's 4.5 bytes per token); read as a stream the peak RSS barely moves."""
-    rss = {}
-    for n in (100, 900):
-        trace = write_long_trace(tmp_path / f"long{n}.jsonl", n)
-        peak, _, out = run_child([sys.executable, "-c", _READ, str(trace)])
-        assert int(out.split()[-1]) == n * 100_000
-        rss[n] = peak
-    print(f"peak RSS MiB by requests read: {rss}")
-    assert rss[900] - rss[100] < 20, rss  # the block cache holds at most 8 MiB
+def test_verify_fails_on_nan_logits() -> None:
+    """A model whose weights hold a NaN gives NaN logits with and without the cache; the
+    difference is NaN, which max() used to drop, so verify said 0 and agreement 1."""
+    _, model = load_model("tiny", device="cpu", dtype="float32", seed=0)
+    with torch.no_grad():
+        model.state_dict()["layers.0.mlp.down_proj.weight"][0, 0] = torch.nan
+    cfg = ReplayConfig(limit=6, verify=3, engine=EngineConfig(pool_tokens=4096))
+    summary = run_replay(cfg, False, compute=ModelCompute(model, torch.float32))
+    assert summary.verify.nonfinite_logits and summary.verify.nonfinite_logits > 0
+    assert not summary.verify.ok
+    assert summary.verify.argmax_agree == 0.0
+    assert "FAIL" in summary.table()
+    assert summary.to_json()["verify"]["ok"] is False
+
+
+def test_verify_ok_on_a_sound_model() -> None:
+    summary = run_replay(
+        ReplayConfig(limit=6, verify=3, engine=EngineConfig(pool_tokens=4096)), False
+    )
+    assert summary.verify.ok and summary.verify.nonfinite_logits == 0
+    assert summary.to_json()["verify"]["ok"] is True
+
+
+def test_replay_verify_of_a_nan_checkpoint_exits_1(
+    nan_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = cli(
+        ["replay", "--model", str(nan_checkpoint), "--limit", "4", "--verify", "2", "--json"],
+        capsys,
+    )
+    assert code == 1
+    assert "non-finite" in out and "--verify failed" in err
+    assert json.loads(out.strip().splitlines()[-1])["verify"]["ok"] is False
+
+
+# -- exit codes and partial results --------------------------------------------------------------
+
+
+def test_every_request_failing_exits_1_and_lists_the_rest_as_a_count(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A 4-page pool: every built-in request (80 to 600 tokens) needs more.
+    code, out, err = cli([*BASE, "--l1-tokens", "64"], capsys)
+    assert code == 1 and "every request failed (48)" in err
+    failed = [line for line in out.splitlines() if line.startswith("failed: ")]
+    assert len(failed) == replay_module.LISTED_ERRORS + 1
+    assert failed[-1] == f"failed: ... and {48 - replay_module.LISTED_ERRORS} more"
+
+
+def test_some_requests_failing_exits_0_unless_fail_on_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = cli([*BASE, "--l1-tokens", "256"], capsys)
+    assert code == 0 and "failed)" in out
+    code, _, err = cli([*BASE, "--l1-tokens", "256", "--fail-on-error"], capsys)
+    assert code == 1 and "--fail-on-error" in err
+
+
+def test_skipped_trace_lines_show_in_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(
+        tmp_path / "t.jsonl", [trace_line(600, [1, 2]), "[[[", trace_line(700, [1, 2])]
+    )
+    code, out, _ = cli([*BASE, "--trace", str(trace), "--on-error", "skip"], capsys)
+    assert code == 0
+    assert any(
+        line.startswith("skipped trace lines") and line.endswith(" 1") for line in out.splitlines()
+    )
+    assert "skipped: line 2: invalid JSON" in out
+
+
+def test_ctrl_c_prints_the_summary_so_far_and_exits_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real_step = Engine.step
+    calls = []
+
+    def step(self: Engine) -> list:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    code, out, err = cli([*BASE, "--max-batch-requests", "4", "--json"], capsys)
+    assert code == 130
+    assert "interrupted" in err
+    data = json.loads(out.strip().splitlines()[-1])
+    assert data["interrupted"] is True and 0 < data["requests"] < 48
+    assert any(line.startswith("interrupted") for line in out.splitlines())
 
 
 @pytest.mark.slow
-def test_replaying_a_trace_of_100k_token_requests_streams(tmp_path: Path) -> None:
-    """The whole replay too, with a pool that holds two requests: the cache is bounded and so
-    is everything else. Both sizes fill the look-ahead window (16 requests of 400 KB here; the
-    default of 128 would hold 58 MB)."""
-    rss = {}
-    for n in (50, 300):
-        trace = write_long_trace(tmp_path / f"long{n}.jsonl", n)
-        argv = [sys.executable, "-m", "kvstrata.cli", "replay", "--model", "none", "--trace"]
-        peak, _, out = run_child(
-            [
-                *argv,
-                str(trace),
-                "--l1-tokens",
-                "204800",
-                "--kv-width",
-                "4",
-                "--max-batch-requests",
-                "8",
-            ]
-            + ["--json"]
-        )
-        summary = json.loads(out.strip().splitlines()[-1])
-        assert summary["requests"] == n and summary["hit_ratio"] > 0.9
-        rss[n] = peak
-    print(f"peak RSS MiB by requests replayed: {rss}")
-    assert rss[300] - rss[50] < 40, rss
+def test_sigint_to_a_running_replay(tmp_path: Path) -> None:
+    """A real SIGINT: the process prints the summary so far and exits 130, no traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstrata", "replay", "--trace", "synthetic:0:2000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")},
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:  # stderr is a pipe, so progress comes as lines; the first says started
+        if line.startswith("replay: started"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+    assert "interrupted" in out and "hit ratio" in out
+
+
+# -- checks before anything large is built -------------------------------------------------------
+
+
+def test_bad_trace_fails_before_the_model_is_built(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built before the trace was checked")
+
+    monkeypatch.setattr(replay_module, "load_model", no_model)
+    code, _, err = cli(
+        ["replay", "--model", "small", "--trace", "/no/such/trace.jsonl", "--no-progress"], capsys
+    )
+    assert code == 2 and "cannot open trace" in err
+
+
+def test_pool_larger_than_memory_is_refused_before_allocating(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_pool(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the pool was allocated")
+
+    monkeypatch.setattr("kvstrata.limits.available_bytes", lambda device: 2**30)
+    monkeypatch.setattr("kvstrata.engine.DevicePool", no_pool)
+    # 32 M tokens of 64 bytes: 2 GiB of pool (+ allocator) against 1 GiB available.
+    code, _, err = cli([*BASE, "--l1-tokens", str(2**25)], capsys)
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert "the L1 pool (2,097,152 pages)" in line and "only 1.00 GiB is available" in line
+
+
+def test_model_weights_count_against_memory(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("kvstrata.limits.available_bytes", lambda device: 2**30)
+    code, _, err = cli(["replay", "--model", "llama-3.2-1b", "--no-progress"], capsys)
+    assert code == 2 and "the model weights 4.60 GiB" in err
+
+
+def test_huge_trace_line_is_refused_before_its_tokens_exist(tmp_path: Path) -> None:
+    """A 200 M-token line used to expand into 800 MB of tokens before the engine refused it."""
+    n = 200_000_000
+    trace = write_trace(tmp_path / "big.jsonl", [trace_line(n, list(range(-(-n // 512))))])
+    tracemalloc.start()
+    try:
+        with pytest.raises(WorkloadError, match=r"big.jsonl:1: input_length 200,000,000 exceeds"):
+            list(load_mooncake(trace, max_tokens=262_144))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 * 2**20  # the line's JSON, not its tokens
+
+
+def test_replay_refuses_a_line_longer_than_the_engine_serves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", [trace_line(600, [1, 2]), trace_line(5000, [3] * 10)])
+    code, _, err = cli([*BASE, "--trace", str(trace), "--l1-tokens", "4096"], capsys)
+    assert code == 2 and "t.jsonl:2: input_length 5,000 exceeds the 4,096 tokens" in err
+    code, out, _ = cli(
+        [*BASE, "--trace", str(trace), "--l1-tokens", "4096", "--on-error", "skip"], capsys
+    )
+    assert code == 0 and "skipped: line 2" in out
+
+
+def test_threads_flag_sets_and_restores_torch_threads(capsys: pytest.CaptureFixture[str]) -> None:
+    before = torch.get_num_threads()
+    code, out, _ = cli([*BASE, "--limit", "2", "--threads", "1", "--json"], capsys)
+    assert code == 0
+    assert json.loads(out.strip().splitlines()[-1])["config"]["threads"] == 1
+    assert torch.get_num_threads() == before
+
+
+def test_l2_host_pool_counts_against_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvstrata.limits.available_bytes", lambda device: 2**30)
+    cfg = ReplayConfig(
+        model="none", engine=EngineConfig(pool_tokens=4096, l2_tokens=2**25)
+    )  # 32 M tokens of 64 bytes: 2 GiB of host pool against 1 GiB available
+    with pytest.raises(CapacityError, match=r"the L2 host pool \(2,097,152 pages\)"):
+        run_replay(cfg, False)

@@ -166,6 +166,8 @@ MALFORMED = [
     (line(1, [1]).replace("[1]", "[null]"), r"hash_ids\[0\] must be an integer"),
     (line(1, [1]).replace("[1]", "[true]"), r"hash_ids\[0\] must be an integer"),
     (line(1, [-4]), r"hash_ids\[0\] must be an integer >= 0, got -4"),
+    ("[" * 100_000 + "]" * 100_000, "invalid JSON: nested too deeply"),
+    ('{"a":' * 100_000 + "1" + "}" * 100_000, "invalid JSON: nested too deeply"),
 ]
 
 
@@ -290,3 +292,12 @@ def test_load_workload_specs(trace: Path) -> None:
     for spec in ("nope", "synthetic:x", "synthetic:1:2:3", "trace.json", "agentic:1:0", "agentic:"):
         with pytest.raises(WorkloadError, match="builtin|synthetic|agentic"):
             load_workload(spec)
+
+
+def test_max_tokens_refuses_longer_lines_before_expanding(tmp_path: Path) -> None:
+    path = write_trace(tmp_path, [GOOD, line(3 * BLOCK, [0, 1, 2]), GOOD])
+    with pytest.raises(WorkloadError, match=r":2: input_length 1,536 exceeds the 1,024 tokens"):
+        list(load_mooncake(path, max_tokens=2 * BLOCK))
+    w = load_workload(str(path), on_error="skip", max_tokens=2 * BLOCK)
+    assert len(list(w)) == 2 and [s.line_no for s in w.skipped] == [2]
+    assert len(list(load_mooncake(path, max_tokens=3 * BLOCK))) == 3

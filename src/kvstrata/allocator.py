@@ -75,6 +75,11 @@ class PageAllocator:
     def alloc_pages_with_owners(self, owners: IntArray) -> IntArray | None:
         """One page per entry of ``owners`` whose lane equals that owner, or ``None`` if any lane
         is short (nothing is taken then). ``owners`` are ranks in ``[0, cp_size)``."""
+        owners = np.asarray(owners)
+        if owners.ndim != 1 or (owners.size and owners.dtype.kind not in "iu"):
+            raise AllocatorError(
+                f"owners must be a 1-D integer array of ranks, got {owners.dtype} {owners.shape}"
+            )
         k = owners.size
         if k == 0:
             return np.empty(0, dtype=np.int64)
@@ -106,7 +111,11 @@ class PageAllocator:
         return out
 
     def alloc(self, start_position: int, num_pages: int) -> IntArray | None:
-        """Pages for sequence positions ``start_position .. start_position + num_pages - 1``."""
+        """Pages for sequence positions ``start_position .. start_position + num_pages - 1``, or
+        ``None`` if a lane is short. Counts and positions must be integers >= 0."""
+        for name, value in (("start_position", start_position), ("num_pages", num_pages)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise AllocatorError(f"alloc: {name} must be an integer >= 0, got {value!r}")
         if self.cp_size == 1:  # one lane: the owners are all 0, no need to spell them out
             return self._pop(0, num_pages) if num_pages <= self._tops[0] else None
         owners = (
@@ -117,6 +126,9 @@ class PageAllocator:
     def free(self, pages: IntArray, owners: IntArray | None = None) -> None:
         """Return pages to their lanes. With ``owners``, each page must belong to that owner's
         lane. Raises on unknown pages, pages already free, pages listed twice, or foreign pages."""
+        pages = np.asarray(pages)
+        if pages.ndim != 1 or (pages.size and pages.dtype.kind not in "iu"):
+            raise AllocatorError(f"free: pages must be a 1-D integer array, got {pages.dtype}")
         if pages.size == 0:
             return
         self._check_known(pages)

@@ -4,17 +4,40 @@ kvstrata replay         run a workload through the prefill engine and report the
 kvstrata check-model    compare a checkpoint's logits with transformers before serving it
 kvstrata bench radix    radix tree speed on the shared synthetic workload
 kvstrata bench prefill  prefill tokens/s against transformers on the same inputs
+kvstrata bench planner  one owner-lane eviction plan on the production fork's worst case
+kvstrata bench transfer batched page copies device <-> host against a contiguous pinned copy
 kvstrata bench workload workload statistics: sizes, unique tokens, ideal hit ratio
-kvstrata bench memory   peak RSS of a streamed replay at two workload sizes
+kvstrata bench memory   peak RSS of a streamed replay at several workload sizes
+
+Errors in the input end in one stderr line and exit status 2; :mod:`kvstrata.command` lists the
+exit codes.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from collections.abc import Callable
 
-from .errors import KVStrataError
+from . import __version__
+from .command import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    CommandParser,
+    HelpFormatter,
+    run_command,
+)
+from .config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, WRITE_POLICIES
+
+#: Default torch intra-op threads of ``replay``: one, because the engine's per-step ops are small
+#: and two threads make a replay 10-20x slower as soon as another process uses a core
+#: (docs/benchmarks.md, "CPU threads"), while they gain at most ~1.3x on an idle machine.
+DEFAULT_THREADS = 1
+#: ``kvstrata bench NAME`` runs ``kvstrata.benchmarks.NAME.run_main``.
+BENCHMARKS = ("radix", "prefill", "planner", "transfer", "workload", "memory")
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +48,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         "report what the cache saved: hit ratio, computed tokens, prefill tokens/s, TTFT "
         "percentiles, pool usage. With no arguments: the built-in workload through the `tiny` "
         "model on the CPU. The last line of output is a JSON summary with --json.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--trace",
@@ -56,6 +79,41 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=262_144,
         help="device pool (L1) size in tokens",
+    )
+    p.add_argument(
+        "--l2-tokens",
+        type=int,
+        default=0,
+        help="host pool (L2) size in tokens: pinned host memory on a CUDA machine, plain memory "
+        "otherwise; 0 with no --l2-gib: no L2",
+    )
+    p.add_argument(
+        "--l2-gib",
+        type=float,
+        default=0.0,
+        help="host pool (L2) size in GiB (instead of --l2-tokens)",
+    )
+    p.add_argument(
+        "--host-layout",
+        choices=list(HOST_LAYOUTS),
+        default=DEFAULT_HOST_LAYOUT,
+        help="L2 page layout: page_first keeps one page's layers together (one extent per page "
+        "for the disk tier), layer_first mirrors the device pool; both copy at the same speed",
+    )
+    p.add_argument(
+        "--write-policy",
+        choices=list(WRITE_POLICIES),
+        default="write_through",
+        help="when device pages are backed up to L2: write_through (every computed chunk, layer "
+        "by layer during the forward), write_through_selective (a node once hit "
+        "--write-through-hits times), write_back (a node when L1 eviction would drop it)",
+    )
+    p.add_argument(
+        "--write-through-hits",
+        type=int,
+        default=2,
+        metavar="N",
+        help="with write_through_selective: back a node up once it has N hits",
     )
     p.add_argument(
         "--chunk-size", type=int, default=2048, help="max tokens a request computes per step"
@@ -103,10 +161,27 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=0, help="seed for preset weights and --verify sampling"
     )
     p.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        metavar="N",
+        help="torch intra-op CPU threads; more than 1 helps only a large model on an idle machine "
+        "and slows the engine's small per-step ops 10-20x when other processes use the CPU",
+    )
+    p.add_argument(
+        "--fail-on-error",
+        action="store_true",
+        help="exit 1 if any request failed (without it: only if every request failed)",
+    )
+    p.add_argument(
         "--check", action="store_true", help="debug: check every invariant after each step"
     )
     p.add_argument("--json", action="store_true", help="print the JSON summary as the last line")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress (a bar on a terminal, else a line every few seconds on stderr)",
+    )
     p.set_defaults(func=_run_replay)
 
 
@@ -124,6 +199,11 @@ def _run_replay(args: argparse.Namespace) -> int:
         engine=EngineConfig(
             page_size=args.page_size,
             pool_tokens=args.l1_tokens,
+            l2_tokens=args.l2_tokens,
+            l2_gib=args.l2_gib,
+            host_layout=args.host_layout,
+            write_policy=args.write_policy,
+            write_through_hits=args.write_through_hits,
             chunk_size=args.chunk_size,
             max_batch_tokens=args.max_batch_tokens,
             max_batch_requests=args.max_batch_requests,
@@ -134,15 +214,33 @@ def _run_replay(args: argparse.Namespace) -> int:
         verify=args.verify,
         on_error=args.on_error,
         seed=args.seed,
+        threads=args.threads,
         lookahead=args.lookahead,
     )
-    summary = run_replay(cfg, progress=not args.no_progress and sys.stderr.isatty())
+    summary = run_replay(cfg, progress=not args.no_progress)
     print(summary.table())
-    for error in summary.errors:
-        print(f"failed: {error}")
+    for line in summary.problems():
+        print(line)
     if args.json:
         print(json.dumps(summary.to_json()))
-    return 0
+    if summary.interrupted:
+        print(
+            f"kvstrata replay: interrupted after {summary.requests} of {summary.total_requests} "
+            "requests; the summary covers those",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    why = None
+    if summary.failed == summary.requests:
+        why = f"every request failed ({summary.failed})"
+    elif args.fail_on_error and summary.failed:
+        why = f"{summary.failed} of {summary.requests} requests failed (--fail-on-error)"
+    elif not summary.verify.ok:
+        why = f"--verify failed: {summary.verify.describe().removeprefix('FAIL: ')}"
+    if why is not None:
+        print(f"kvstrata replay: {why}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _check_model_parser(sub: argparse._SubParsersAction) -> None:
@@ -151,17 +249,34 @@ def _check_model_parser(sub: argparse._SubParsersAction) -> None:
         help="compare a checkpoint's logits with transformers",
         description="Load a checkpoint (or a preset, saved first as a checkpoint) with kvstrata and "
         "with transformers, run a few prompts of awkward lengths, and report the largest |logit "
-        "difference| and argmax agreement. Exits 1 past the tolerance.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "difference| and argmax agreement. Exits 1 past the tolerance or on any NaN/inf logit.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("model", help="checkpoint directory or preset name")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU)")
-    p.add_argument("--page-size", type=int, default=16)
     p.add_argument(
-        "--atol", type=float, default=None, help="tolerance (default 1e-3 in fp32, 0.5 in bf16)"
+        "model",
+        help="a Hugging Face checkpoint directory (config.json + *.safetensors) or a preset "
+        "(tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b)",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=16,
+        help="tokens per KV page; prompts straddle page boundaries and one reads a cached prefix "
+        "of whole pages back from the pool",
+    )
+    p.add_argument(
+        "--atol",
+        type=float,
+        default=None,
+        help="largest |logit difference| accepted (default: 1e-3 in float32, 0.5 otherwise)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON, last line")
     p.set_defaults(func=_run_check_model)
 
 
@@ -176,59 +291,69 @@ def _run_check_model(args: argparse.Namespace) -> int:
     print(f"prompt lengths     {', '.join(map(str, report.lengths))}")
     print(f"max |logit diff|   {report.max_abs_logit_diff:.3g} (tolerance {report.atol:g})")
     print(f"argmax agreement   {report.argmax_agree:.4f}")
+    print(
+        f"non-finite logits  {report.nonfinite_ours:,} kvstrata, "
+        f"{report.nonfinite_theirs:,} transformers"
+    )
+    if report.nonfinite_weights:
+        names = ", ".join(report.nonfinite_weight_names)
+        more = report.nonfinite_weights - len(report.nonfinite_weight_names)
+        print(
+            f"non-finite weights {report.nonfinite_weights:,}: {names}"
+            + (f" and {more:,} more" if more else "")
+        )
     print(f"verdict            {verdict}")
     if args.json:
         print(json.dumps({**report.__dict__, "ok": report.ok}))
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks (radix, prefill, workload, memory); each prints a table and a JSON line",
+        help="benchmarks (radix, prefill, planner, transfer, workload, memory); each prints a table and a JSON line",
         description="Run a benchmark. Arguments after the name go to the benchmark "
         "(kvstrata bench radix --help).",
     )
-    p.add_argument("name", choices=["radix", "prefill", "workload", "memory"])
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("name", choices=BENCHMARKS, metavar="NAME", help=", ".join(BENCHMARKS))
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS", help="the benchmark's flags")
     p.set_defaults(func=_run_bench)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    if args.name == "radix":
-        from .benchmarks import radix
-
-        return radix.main(args.rest)
-    if args.name == "workload":
-        from .benchmarks import workload
-
-        return workload.main(args.rest)
-    if args.name == "memory":
-        from .benchmarks import replay_memory
-
-        return replay_memory.main(args.rest)
-    from .benchmarks import prefill
-
-    return int(prefill.main(args.rest))
+    module = importlib.import_module(f".benchmarks.{args.name}", __package__)
+    run_main: Callable[[list[str]], int] = module.run_main
+    return run_main(args.rest)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    """The ``kvstrata`` parser with every subcommand (the bench scripts parse their own flags)."""
+    parser = CommandParser(
         prog="kvstrata",
         description="kvstrata: a page-granular prefix KV cache for LLM prefill, with a reference "
-        "engine that runs Llama/Qwen models on top of it.",
+        "engine that runs Llama/Qwen models on top of it. Exit status: 0 ok, 1 the result is a "
+        "failure, 2 bad input, 130 interrupted.",
     )
+    parser.add_argument("--version", action="version", version=f"kvstrata {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _replay_parser(sub)
     _check_model_parser(sub)
     _bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``kvstrata`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
     try:
-        code: int = args.func(args)
-    except KVStrataError as err:
-        print(f"kvstrata {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    return code
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    if (
+        args.command == "bench"
+    ):  # the bench scripts report their own errors, as "kvstrata bench NAME"
+        return int(args.func(args))
+    return run_command(f"kvstrata {args.command}", lambda: int(args.func(args)))
 
 
 if __name__ == "__main__":

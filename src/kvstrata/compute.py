@@ -18,7 +18,7 @@ import torch
 
 from .config import KVLayout, PayloadSpec
 from .errors import ConfigError
-from .model.batch import ForwardBatch
+from .model.batch import ForwardBatch, LayerHooks
 from .model.llama import LlamaModel
 from .pool import DevicePool
 
@@ -36,9 +36,11 @@ class Compute(Protocol):
         batch: ForwardBatch,
         pool: DevicePool,
         all_logits: bool = False,
+        hooks: LayerHooks | None = None,
     ) -> torch.Tensor | None:
         """Write the batch's KV; return ``[num_requests, vocab]`` last-token logits (``[T, vocab]``
-        for every packed token with ``all_logits``), or None without a model."""
+        for every packed token with ``all_logits``), or None without a model. ``hooks`` see
+        every layer before it reads the pool and after it wrote its KV."""
         ...
 
     def snapshot(
@@ -64,8 +66,11 @@ class ModelCompute:
         batch: ForwardBatch,
         pool: DevicePool,
         all_logits: bool = False,
+        hooks: LayerHooks | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, batch, pool, logits="all" if all_logits else "last")
+        return self.model(
+            input_ids, batch, pool, logits="all" if all_logits else "last", hooks=hooks
+        )
 
     def snapshot(self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int) -> None:
         return None
@@ -100,12 +105,33 @@ def _payload_bytes(state: torch.Tensor, tokens: torch.Tensor, kv_width: int) -> 
     return ((mixed >> shift) & 0xFF).to(torch.uint8)
 
 
-def synthetic_payload(tokens: torch.Tensor, kv_width: int) -> torch.Tensor:
-    """``[n, kv_width]`` uint8: the bytes ``--model none`` stores for a whole sequence."""
-    tokens = tokens.to(torch.int64)
-    positions = torch.arange(tokens.numel(), device=tokens.device)
-    state = torch.cumsum(_token_terms(tokens, positions), 0) % _STATE_MOD
-    return _payload_bytes(state, tokens, kv_width)
+#: Tokens per chunk of :func:`synthetic_payload`: its int64 temporaries take about
+#: ``8 * kv_width`` bytes per token, so a whole 10 M-token sequence at once would need tens of GB.
+PAYLOAD_CHUNK_TOKENS = 1 << 16
+
+
+def synthetic_payload(
+    tokens: torch.Tensor, kv_width: int, chunk_tokens: int = PAYLOAD_CHUNK_TOKENS
+) -> torch.Tensor:
+    """``[n, kv_width]`` uint8: the bytes ``--model none`` stores for a whole sequence.
+
+    Built ``chunk_tokens`` at a time, carrying the running state across chunks, so the memory it
+    needs beyond its result does not grow with the sequence.
+    """
+    if chunk_tokens < 1:
+        raise ConfigError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    n = tokens.numel()
+    out = torch.empty((n, kv_width), dtype=torch.uint8, device=tokens.device)
+    carry = torch.zeros((), dtype=torch.int64, device=tokens.device)
+    for lo in range(0, n, chunk_tokens):
+        hi = min(n, lo + chunk_tokens)
+        chunk = tokens[lo:hi].to(torch.int64)
+        positions = torch.arange(lo, hi, device=tokens.device)
+        # (carry + partial sums) mod M equals the whole sequence's cumsum mod M: carry is it, mod M.
+        state = (torch.cumsum(_token_terms(chunk, positions), 0) + carry) % _STATE_MOD
+        out[lo:hi] = _payload_bytes(state, chunk, kv_width)
+        carry = state[-1]
+    return out
 
 
 class SyntheticCompute:
@@ -128,7 +154,10 @@ class SyntheticCompute:
         batch: ForwardBatch,
         pool: DevicePool,
         all_logits: bool = False,
+        hooks: LayerHooks | None = None,
     ) -> None:
+        if hooks is not None:
+            hooks.before_layer(0)  # one layer: its prefix rows are read below
         rows = pool.token_view("kv", 0)
         tokens = input_ids.to(torch.int64)
         # One cumulative sum over the packed batch, rebased per request onto the state its cached
@@ -145,6 +174,8 @@ class SyntheticCompute:
         lengths = torch.tensor(batch.extend_lens, device=tokens.device)
         state = (running + torch.repeat_interleave(prefix_state - before, lengths)) % _STATE_MOD
         rows.index_copy_(0, batch.write_index, _payload_bytes(state, tokens, self.kv_width))
+        if hooks is not None:
+            hooks.after_layer(0)
         return None
 
     def snapshot(

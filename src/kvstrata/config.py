@@ -8,6 +8,7 @@ environment: configuration is built once (by the CLI or the caller) and passed i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .errors import ConfigError
 
@@ -15,6 +16,15 @@ from .errors import ConfigError
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1, "int8": 1}
 
 EVICTION_POLICIES = ("lru", "slru")
+
+#: How the L2 host pool lays pages out (``host_pool.py``); both copy at the same measured speed,
+#: page_first keeps one page's layers in one extent (what the disk tier writes).
+HostLayout = Literal["layer_first", "page_first"]
+HOST_LAYOUTS: tuple[HostLayout, ...] = ("layer_first", "page_first")
+DEFAULT_HOST_LAYOUT: HostLayout = "page_first"
+
+#: When device pages are backed up to the host tier (``writethrough.py``).
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 def _positive(name: str, value: int, hint: str = "") -> None:

@@ -2,19 +2,23 @@
 
 Per request::
 
-    match_prefix ──▶ lock ──▶ alloc pages for the uncached suffix (evict if short)
-        ──▶ compute the suffix in chunks over several steps ──▶ insert ──▶ free duplicates ──▶ unlock
+    match_prefix (device part + host part) ──▶ lock ──▶ alloc device pages for the host part and
+    the uncached suffix (evict if short) ──▶ load the host part back, layer by layer
+        ──▶ compute the suffix in chunks over several steps; after each chunk insert its full
+            pages (write-through copies them to the host as each layer finishes)
+        ──▶ free duplicates ──▶ unlock
 
-Each :meth:`Engine.step` admits waiting requests in arrival order, then packs one chunk of every
-running request into a single forward without padding. A request always recomputes at least its
-last token (a prefill needs its logits), so a full hit is trimmed to the page boundary before it.
-A request that cannot fit even in an empty pool fails alone with a :class:`RequestError`; one that
-only has to wait for running requests to release pages stays queued.
+Each :meth:`Engine.step` first settles finished copies at the commit frontier, admits waiting
+requests in arrival order, then packs one chunk of every running request into a single forward
+without padding. A request always recomputes at least its last token (a prefill needs its
+logits), so a full hit is trimmed to the page boundary before it. A request that cannot fit even
+in an empty pool fails alone with a :class:`RequestError`; one that only has to wait for running
+requests (or pending backups) to release pages stays queued.
 
 Admission defers a request whose first uncached page is being computed right now by a running
-request (same prefix key): it would compute the same KV twice. It waits until that request has
-inserted its pages and then hits them; later requests may pass it meanwhile. This reads only
-replicated inputs (arrival order, prefix keys), so every rank defers identically.
+request (same prefix key): it would compute the same KV twice. Chunks are inserted as they finish,
+so it waits for the chunk it needs, not the whole prefill. This reads only replicated inputs
+(arrival order, prefix keys), so every rank defers identically.
 """
 
 from __future__ import annotations
@@ -30,21 +34,36 @@ import torch
 
 from .allocator import PageAllocator
 from .compute import Compute
-from .config import CacheConfig, PoolConfig
+from .config import (
+    DEFAULT_HOST_LAYOUT,
+    HOST_LAYOUTS,
+    WRITE_POLICIES,
+    CacheConfig,
+    HostLayout,
+    PoolConfig,
+)
 from .errors import ConfigError, RequestError
+from .host_pool import HostPool
 from .keys import TokenKey
+from .loadback import LoadBack
 from .model.batch import ForwardBatch
-from .ownership import page_span
+from .ownership import owners, page_span
 from .pool import DevicePool
 from .radix import Node, RadixTree
+from .residency import Tier
+from .tickets import FrontierFn, TicketKind, TicketLedger, local_frontier
+from .transfer import Transfer, TransferStats
 from .workloads import Request
+from .writethrough import Reservation, WriteThrough
 
 IntArray = npt.NDArray[np.int64]
+GIB = 1 << 30
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine sizes. ``pool_tokens`` is the L1 device pool, in tokens (whole pages)."""
+    """Engine sizes. ``pool_tokens`` is the L1 device pool, in tokens (whole pages); the L2 host
+    pool is ``l2_tokens`` tokens or ``l2_gib`` GiB (at most one of them; neither: no L2)."""
 
     page_size: int = 16
     pool_tokens: int = 262_144
@@ -54,6 +73,12 @@ class EngineConfig:
     eviction: str = "lru"
     device: str = "cpu"
     check_every_step: bool = False
+    l2_tokens: int = 0
+    l2_gib: float = 0.0
+    host_layout: HostLayout = DEFAULT_HOST_LAYOUT
+    write_policy: str = "write_through"
+    write_through_hits: int = 2
+    max_host_alloc_gib: float = 480.0
 
     def __post_init__(self) -> None:
         CacheConfig(page_size=self.page_size, eviction=self.eviction)  # validates both
@@ -75,10 +100,43 @@ class EngineConfig:
             raise ConfigError(
                 f"pool_tokens ({self.pool_tokens}) must hold at least one page of {self.page_size} tokens"
             )
+        if not isinstance(self.l2_tokens, int) or self.l2_tokens < 0:
+            raise ConfigError(f"--l2-tokens must be an integer >= 0, got {self.l2_tokens!r}")
+        if not 0 <= self.l2_gib <= 2**20:
+            raise ConfigError(
+                f"--l2-gib must be a number in [0, 1048576] (1 PiB), got {self.l2_gib!r}"
+            )
+        if self.l2_tokens and self.l2_gib:
+            raise ConfigError("give the L2 size once: --l2-tokens or --l2-gib, not both")
+        if 0 < self.l2_tokens < self.page_size:
+            raise ConfigError(
+                f"--l2-tokens ({self.l2_tokens}) must hold at least one page of {self.page_size}"
+            )
+        if self.host_layout not in HOST_LAYOUTS:
+            raise ConfigError(
+                f"--host-layout must be one of {', '.join(HOST_LAYOUTS)}, got {self.host_layout!r}"
+            )
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(
+                f"--write-policy must be one of {', '.join(WRITE_POLICIES)}, "
+                f"got {self.write_policy!r}"
+            )
+        if not isinstance(self.write_through_hits, int) or self.write_through_hits < 1:
+            raise ConfigError(
+                f"--write-through-hits must be an integer >= 1, got {self.write_through_hits!r}"
+            )
+        if not 0 < self.max_host_alloc_gib <= 2**20:
+            raise ConfigError(
+                f"the per-allocation cap must be > 0 GiB, got {self.max_host_alloc_gib!r}"
+            )
 
     @property
     def pool_pages(self) -> int:
         return self.pool_tokens // self.page_size
+
+    @property
+    def has_l2(self) -> bool:
+        return bool(self.l2_tokens or self.l2_gib)
 
 
 @dataclass
@@ -87,12 +145,13 @@ class Finished:
 
     rid: int
     prompt_len: int
-    cached_len: int  # tokens served from the cache
+    cached_len: int  # tokens served from the cache (both tiers)
     logits: torch.Tensor | None  # last-token logits on the CPU (None without a model or on error)
     ttft_s: float  # engine time from the step it entered to its last-token logits
     error: str | None = None
     payload: torch.Tensor | None = None  # the sequence's cached payload rows, when kept (no model)
     all_logits: torch.Tensor | None = None  # logits of every computed token, when asked for
+    host_len: int = 0  # of cached_len, tokens loaded back from the host tier (L2)
 
     @property
     def computed_len(self) -> int:
@@ -108,29 +167,87 @@ class _Waiting(NamedTuple):
 class _Running:
     request: Request
     key: TokenKey
-    node: Node  # locked while the request runs
+    node: Node  # locked while the request runs: the end of what the tree holds of it
     pages: IntArray  # one logical page per page of the whole sequence
     cached_len: int
+    host_len: int  # of cached_len, loaded back from L2
     done_len: int
+    inserted_len: int  # tokens of it the tree holds (matched or inserted chunk by chunk)
     entered_at: float
     keep_logits: bool
     keep_all_logits: bool
+    # Pages the tree did not keep that it still reads (only after a key collision): freed at
+    # the end. Ordinary duplicates are swapped for the tree's pages and freed at once.
+    duplicates: list[IntArray] = field(default_factory=list)
     logits: torch.Tensor | None = field(default=None)
     logit_chunks: list[torch.Tensor] = field(default_factory=list)
 
+    def own_pages(self) -> IntArray:
+        """Every device page it references (its page table and the duplicates it keeps)."""
+        return np.unique(np.concatenate([self.pages, *self.duplicates]))
+
 
 class Engine:
-    """Prefill engine over one device pool, one radix tree and one page allocator (one rank)."""
+    """Prefill engine over one device pool (and an optional host pool), one radix tree and one
+    page allocator per tier (one rank). ``frontier`` turns this rank's copy progress into the
+    commit frontier; context parallelism plugs its MIN all-reduce in there."""
 
-    def __init__(self, compute: Compute, config: EngineConfig) -> None:
+    def __init__(
+        self, compute: Compute, config: EngineConfig, frontier: FrontierFn = local_frontier
+    ) -> None:
         self.compute = compute
         self.config = config
+        self.frontier = frontier
         P = config.page_size
-        self.pool = DevicePool(compute.layout, P, config.pool_pages, config.device)
+        layout = compute.layout
+        self.pool = DevicePool(layout, P, config.pool_pages, config.device)
         self.allocator = PageAllocator(PoolConfig(num_pages=config.pool_pages))
+        self.host_pool: HostPool | None = None
+        self.host_allocator: PageAllocator | None = None
+        self.transfer: Transfer | None = None
+        host_pages = 0
+        if config.has_l2:
+            host_pages = (
+                config.l2_tokens // P
+                if config.l2_tokens
+                else HostPool.slots_for_bytes(layout, P, int(config.l2_gib * GIB))
+            )
+            if host_pages < 1:
+                raise ConfigError(
+                    f"--l2-gib {config.l2_gib} holds no page of {layout.page_bytes(P)} bytes"
+                )
+            self.host_pool = HostPool(
+                layout,
+                P,
+                host_pages,
+                host_layout=config.host_layout,
+                max_alloc_bytes=int(config.max_host_alloc_gib * GIB),
+            )
+            self.host_allocator = PageAllocator(PoolConfig(num_pages=host_pages))
+            self.transfer = Transfer(self.pool, self.host_pool)
         self.tree = RadixTree(
-            CacheConfig(page_size=P, eviction=config.eviction), capacity_pages=config.pool_pages
+            CacheConfig(page_size=P, eviction=config.eviction),
+            capacity_pages=config.pool_pages,
+            host_capacity_pages=host_pages,
+            allocator=self.allocator,
+            host_allocator=self.host_allocator,
         )
+        self.ledger = TicketLedger()
+        self.backups: WriteThrough | None = None
+        self.loads: LoadBack | None = None
+        if self.transfer is not None and self.host_allocator is not None:
+            self.backups = WriteThrough(
+                self.tree,
+                self.host_allocator,
+                self.transfer,
+                self.ledger,
+                layout.num_layers,
+                config.write_policy,
+                config.write_through_hits,
+            )
+            self.loads = LoadBack(
+                self.tree, self.transfer, self.ledger, layout.num_layers, self._drain
+            )
         self.waiting: deque[_Waiting] = deque()
         self._refused: list[Finished] = []
         self.running: list[_Running] = []
@@ -138,9 +255,11 @@ class Engine:
         self.keep_all_logits: set[int] = set()  # ... whose logits for every computed token are
         # Prefix keys of the full pages running requests are computing, with multiplicity.
         self._inflight: dict[int, int] = {}
+        self._reservations: dict[int, Reservation] = {}  # id(run) -> this step's backup
         self.deferred = 0
         self.steps = 0
         self.peak_pages_used = 0
+        self.hit_tokens = {Tier.L1: 0, Tier.L2: 0}
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -159,8 +278,10 @@ class Engine:
         return bool(self.waiting or self.running or self._refused)
 
     def step(self) -> list[Finished]:
-        """Admit what fits, run one packed forward, finish the requests it completed."""
+        """Settle finished copies, admit what fits, run one packed forward, insert what it
+        computed, finish the requests it completed."""
         started = time.perf_counter()
+        self._settle()
         finished = self._admit(started)
         if not self.running:
             return finished
@@ -172,8 +293,13 @@ class Engine:
             extend = min(self.config.chunk_size, len(run.key) - run.done_len, budget)
             chosen.append((run, extend))
             budget -= extend
+        self._reserve_backups(chosen)
         all_logits = any(run.keep_all_logits for run, _ in chosen)
         logits = self._forward(chosen, all_logits)
+        if self.backups is not None:
+            self.backups.end_forward()
+        if self.loads is not None:
+            self.loads.end_forward()
         if self.pool.device.type == "cuda":
             torch.cuda.synchronize(self.pool.device)
         now = time.perf_counter()
@@ -183,6 +309,7 @@ class Engine:
             offset += extend
             if logits is not None and run.keep_all_logits:
                 run.logit_chunks.append(logits[offset - extend : offset].float().cpu())
+            self._insert_chunk(run)
             if run.done_len == len(run.key):
                 if logits is not None and run.keep_logits:
                     run.logits = logits[offset - 1 if all_logits else i].float().cpu()
@@ -193,27 +320,102 @@ class Engine:
             self.check()
         return finished
 
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Wait (bounded) for every copy in flight and settle it at the frontier."""
+        if self.transfer is not None:
+            self.transfer.synchronize(timeout_s)
+            self._settle()
+
     def check(self) -> None:
-        """Tree and allocator invariants; every page free, cached or held by a running request;
-        one lock and one set of in-flight keys per running request."""
+        """Tree and allocator invariants; every page free, cached, held by a running request or
+        by an in-flight backup; one lock per running request and one host lock per load."""
         self.tree.check()
         self.allocator.check()
         P = self.config.page_size
-        held = sum(int(r.pages.size) - r.cached_len // P for r in self.running)
-        inflight = sum(r.key.num_full_pages - r.cached_len // P for r in self.running)
+        held = sum(int((~self.tree.holds(r.own_pages())).sum()) for r in self.running)
+        inflight = sum(r.key.num_full_pages - r.inserted_len // P for r in self.running)
         if sum(self._inflight.values()) != inflight:
             raise AssertionError(
                 f"in-flight page keys {sum(self._inflight.values())} != {inflight}"
             )
         if self.allocator.num_used != self.tree.num_pages + held:
             raise AssertionError(
-                f"pages used {self.allocator.num_used} != tree {self.tree.num_pages} + running {held}"
+                f"device pages used {self.allocator.num_used} != tree {self.tree.num_pages} + "
+                f"running {held}"
             )
-        locks = self.tree.root.lock_ref + sum(n.lock_ref for n in self.tree.nodes())
+        nodes = self.tree.nodes()
+        locks = self.tree.root.lock_ref + sum(n.lock_ref for n in nodes)
         if locks != len(self.running):
             raise AssertionError(
                 f"{locks} node locks held for {len(self.running)} running requests"
             )
+        if self.host_allocator is not None and self.backups is not None:
+            self.host_allocator.check()
+            extra = self.backups.held_pages
+            if self.host_allocator.num_used != self.tree.num_host_pages + extra:
+                raise AssertionError(
+                    f"host pages used {self.host_allocator.num_used} != tree "
+                    f"{self.tree.num_host_pages} + reserved/orphaned {extra}"
+                )
+            host_locks = sum(n.host_ref for n in nodes)
+            expected = (self.loads.host_locks if self.loads else 0) + len(self._reservations)
+            if host_locks > expected:
+                raise AssertionError(f"{host_locks} host locks for {expected} holders")
+        if self.host_pool is not None:
+            self.host_pool.check()
+
+    def transfer_stats(self) -> TransferStats | None:
+        return self.transfer.stats() if self.transfer is not None else None
+
+    # -- copies: the frontier and the per-layer hooks --------------------------------------------
+
+    def _drain(self) -> None:
+        """Route finished copies to the ledger (this rank's progress)."""
+        if self.transfer is not None:
+            for done in self.transfer.poll():
+                self.ledger.finish(done.ticket, done.ok, done.error)
+
+    def _settle(self) -> None:
+        """Apply every ticket the commit frontier covers, in issue order."""
+        if self.transfer is None:
+            return
+        self._drain()
+        for ticket, kind, ok in self.ledger.advance(self.frontier(self.ledger.progress())):
+            if kind is TicketKind.BACKUP:
+                assert self.backups is not None
+                self.backups.settle(ticket, ok)
+            else:
+                assert self.loads is not None
+                self.loads.settle(ticket, ok)
+
+    def before_layer(self, layer: int) -> None:
+        if self.loads is not None:
+            self.loads.before_layer(layer)
+
+    def after_layer(self, layer: int) -> None:
+        if self.backups is not None:
+            self.backups.after_layer(layer)
+
+    def _reserve_backups(self, chosen: list[tuple[_Running, int]]) -> None:
+        """Reserve host pages for the full pages each chosen chunk completes (write-through)."""
+        self._reservations.clear()
+        if self.backups is None:
+            return
+        P = self.config.page_size
+        for run, extend in chosen:
+            first, last = run.inserted_len // P, page_span(self._insertable(run, extend), P)
+            if last > first:
+                res = self.backups.reserve_chunk(run.node, first, run.pages[first:last])
+                if res is not None:
+                    self._reservations[id(run)] = res
+
+    def _insertable(self, run: _Running, extend: int) -> int:
+        """Tokens of ``run`` the tree can hold once ``extend`` more are computed: whole pages,
+        or everything when the request completes."""
+        done = run.done_len + extend
+        return (
+            done if done == len(run.key) else done // self.config.page_size * self.config.page_size
+        )
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -238,9 +440,9 @@ class Engine:
                 continue
             if run is None:
                 self.waiting.appendleft(waiting)
-                break  # wait for running requests to release pages
+                break  # wait for running requests (or pending backups) to release pages
             self.running.append(run)
-            self._track(run, +1)
+            self._track(run, run.cached_len // cfg.page_size, +1)
             budget -= min(cfg.chunk_size, len(key) - run.done_len)
         self.waiting.extendleft(reversed(passed))
         return failed
@@ -279,9 +481,10 @@ class Engine:
         its last token (a prefill needs that token's logits)."""
         return (n - 1) // self.config.page_size * self.config.page_size
 
-    def _track(self, run: _Running, sign: int) -> None:
-        first = run.cached_len // self.config.page_size
-        for k in run.key.page_keys[first:].tolist():
+    def _track(self, run: _Running, first: int, sign: int, last: int | None = None) -> None:
+        """Count (``sign`` +1) or uncount (-1) the keys of full pages ``[first, last)`` of
+        ``run`` as being computed."""
+        for k in run.key.page_keys[first:last].tolist():
             count = self._inflight.get(k, 0) + sign
             if count:
                 self._inflight[k] = count
@@ -294,37 +497,66 @@ class Engine:
         n = len(key)
         # Not recorded yet: a request that has to wait would count a hit on every retry.
         hit = tree.match_prefix(key, max_len=self._reusable_len(n), record=False)
-        cached_len = hit.valid_len
-        tree.lock(hit.last_node)
-        need = page_span(n, P) - cached_len // P
-        new_pages = allocator.alloc(cached_len // P, need)
+        host_part = hit.valid_len > hit.device_len
+        tree.lock(hit.device_node)
+        if host_part:
+            tree.host_lock(hit.last_node)
+        first = hit.device_len // P
+        need = page_span(n, P) - first
+        new_pages = self._alloc_evicting(first, need)
         if new_pages is None:
-            allocator.free(tree.evict(need - allocator.num_free))
-            new_pages = allocator.alloc(cached_len // P, need)
-        if new_pages is None:
-            tree.unlock(hit.last_node)
-            if not self.running:  # nothing will release pages: _refusal should have caught it
-                raise RequestError(
+            tree.unlock(hit.device_node)
+            if host_part:
+                tree.host_unlock(hit.last_node)
+            if not self.running and not self.ledger.in_flight(TicketKind.BACKUP):
+                raise RequestError(  # nothing will release pages: _refusal should have caught it
                     f"request {request.rid}: {need} pages do not fit even after eviction "
                     f"({allocator.num_free} free of {allocator.num_pages})"
                 )
             return None
-        tree.record_hit(hit.last_node)
+        node, cached_len, host_len = hit.device_node, hit.device_len, 0
+        if host_part:
+            assert self.loads is not None
+            loaded = hit.valid_len // P - first
+            if self.loads.start(hit, new_pages[:loaded]):
+                tree.lock(hit.last_node)
+                tree.unlock(hit.device_node)
+                node, cached_len, host_len = hit.last_node, hit.valid_len, hit.valid_len - first * P
+        tree.record_hit(node)
+        if self.backups is not None:
+            self.backups.on_hit(node)
+        self.hit_tokens[Tier.L1] += cached_len - host_len
+        self.hit_tokens[Tier.L2] += host_len
         self.peak_pages_used = max(self.peak_pages_used, allocator.num_used)
-        pages = np.concatenate((hit.device_pages[: cached_len // P], new_pages))
+        pages = np.concatenate((hit.device_pages, new_pages))
         return _Running(
             request=request,
             key=key,
-            node=hit.last_node,
+            node=node,
             pages=pages,
             cached_len=cached_len,
+            host_len=host_len,
             done_len=cached_len,
+            inserted_len=cached_len,
             entered_at=now,
             keep_logits=request.rid in self.keep_logits,
             keep_all_logits=request.rid in self.keep_all_logits,
         )
 
-    # -- forward and finish ----------------------------------------------------------------------
+    def _alloc_evicting(self, first: int, count: int) -> IntArray | None:
+        """Device pages for sequence pages ``[first, first + count)``, evicting what the short
+        lanes need (write-back first backs the victims up; they go once committed)."""
+        allocator = self.allocator
+        pages = allocator.alloc(first, count)
+        if pages is None:
+            short = allocator.deficit(owners(first, count, allocator.cp_size))
+            if self.backups is not None:
+                self.backups.before_evict(int(short.sum()))
+            allocator.free(self.tree.evict(short))
+            pages = allocator.alloc(first, count)
+        return pages
+
+    # -- forward, insert and finish --------------------------------------------------------------
 
     def _forward(self, chosen: list[tuple[_Running, int]], all_logits: bool) -> torch.Tensor | None:
         device = self.pool.device
@@ -339,15 +571,44 @@ class Engine:
             device=device,
         )
         input_ids = torch.from_numpy(ids.astype(np.int64)).to(device)
-        return self.compute.forward(input_ids, batch, self.pool, all_logits)
+        hooks = self if self.transfer is not None else None
+        return self.compute.forward(input_ids, batch, self.pool, all_logits, hooks)
+
+    def _insert_chunk(self, run: _Running) -> None:
+        """Insert what ``run`` has computed in whole pages (all of it once complete), move its
+        lock to the node that now ends it, and attach this step's backup."""
+        P = self.config.page_size
+        upto = self._insertable(run, 0)
+        if upto <= run.inserted_len:
+            return
+        key = run.key.prefix(upto)
+        span = page_span(upto, P)
+        result = self.tree.insert(key, run.pages[:span])
+        run.pages[:span] = result.pages  # the tree's own pages where it had them
+        if result.free_pages.size:
+            still_read = np.isin(result.free_pages, result.pages)
+            self.allocator.free(result.free_pages[~still_read])
+            if still_read.any():
+                run.duplicates.append(result.free_pages[still_read])
+        if result.node is not run.node:
+            self.tree.lock(result.node)
+            self.tree.unlock(run.node)
+            run.node = result.node
+        res = self._reservations.pop(id(run), None)
+        if res is not None:
+            assert self.backups is not None
+            self.backups.attach(res, result.node)
+        self._track(run, run.inserted_len // P, -1, upto // P)
+        run.inserted_len = upto
 
     def _finish(self, run: _Running, now: float) -> Finished:
-        self._track(run, -1)
+        P = self.config.page_size
+        self._track(run, run.inserted_len // P, -1)
         payload = (
             self.compute.snapshot(self.pool, run.pages, len(run.key)) if run.keep_logits else None
         )
-        result = self.tree.insert(run.key, run.pages, run.cached_len)
-        self.allocator.free(result.free_pages)
+        if run.duplicates:
+            self.allocator.free(np.unique(np.concatenate(run.duplicates)))
         self.tree.unlock(run.node)
         return Finished(
             rid=run.request.rid,
@@ -357,4 +618,5 @@ class Engine:
             ttft_s=now - run.entered_at,
             payload=payload,
             all_logits=torch.cat(run.logit_chunks) if run.logit_chunks else None,
+            host_len=run.host_len,
         )

@@ -6,11 +6,17 @@ Everything kvstrata raises on purpose derives from :class:`KVStrataError`::
     ├── ConfigError              bad configuration or argument; the message says what to change
     │   └── InvalidTokensError   an empty key, or token ids outside [0, 2**32)
     ├── CapacityError            a pool or lane cannot hold what was asked, even after eviction
+    │   └── PinnedMemoryError    the host pool's memory cannot be pinned
     ├── AllocatorError           misuse of a page allocator (a contract violation)
     │   ├── DoubleFreeError      a page freed that is already free
     │   ├── ForeignPageError     a page freed into a lane that does not own it
     │   └── UnknownPageError     a page id outside the allocator's page space
     ├── TreeInvariantError       a radix tree ``check()`` found a broken invariant
+    ├── TreeUsageError           a radix tree call against its contract (pages it already holds,
+    │                            an evicted node, a residency change from the wrong state)
+    ├── PoolInvariantError       a pool's ``check()`` found a broken invariant
+    ├── TransferError            a transfer (tier-to-tier copy) used against its contract
+    │   └── TransferTimeoutError a bounded wait for copies ran out
     ├── ModelError               a checkpoint or model that kvstrata cannot load
     │   ├── CheckpointError      missing config/weights, or a weight of the wrong shape
     │   └── UnsupportedArchitectureError
@@ -40,6 +46,10 @@ class CapacityError(KVStrataError):
     """A pool or lane cannot hold what was asked for, even after eviction."""
 
 
+class PinnedMemoryError(CapacityError):
+    """Host memory for the L2 pool could be allocated but not pinned (page-locked)."""
+
+
 class AllocatorError(KVStrataError):
     """A page allocator was used against its contract."""
 
@@ -58,6 +68,24 @@ class UnknownPageError(AllocatorError):
 
 class TreeInvariantError(KVStrataError):
     """``RadixTree.check()`` found a broken invariant."""
+
+
+class TreeUsageError(KVStrataError):
+    """A radix tree call broke its contract; refused before the tree changed."""
+
+
+class PoolInvariantError(KVStrataError):
+    """A pool's ``check()`` found a broken invariant."""
+
+
+class TransferError(KVStrataError):
+    """A transfer was used against its contract (an unknown or closed ticket, a layer twice, a
+    slot outside its pool, waiting on a failed load). Failed copies are not raised: they are
+    reported by ``Transfer.poll()``."""
+
+
+class TransferTimeoutError(TransferError):
+    """A bounded wait for copies (``Transfer.wait`` / ``synchronize``) ran out of time."""
 
 
 class ModelError(KVStrataError):

@@ -43,6 +43,10 @@ class EvictionPolicy(Protocol):
 
     def on_split(self, upper: Node, lower: Node) -> None: ...
 
+    def on_trim(self, node: Node, num_pages: int) -> None:
+        """``node`` lost its last ``num_pages`` pages (it stays in the tree)."""
+        ...
+
     def on_remove(self, node: Node) -> None: ...
 
 
@@ -59,6 +63,9 @@ class LRUPolicy:
         return []
 
     def on_split(self, upper: Node, lower: Node) -> None:
+        return None
+
+    def on_trim(self, node: Node, num_pages: int) -> None:
         return None
 
     def on_remove(self, node: Node) -> None:
@@ -86,7 +93,7 @@ class SLRUPolicy:
             if not hit or node.hit_count < 2:
                 return []
             node.segment = PROTECTED
-            self.protected_pages += node.pages.size
+            self.protected_pages += node.span
         heapq.heappush(self._lru, (node.last_access, node.id, node))
         demoted: list[Node] = []
         while self.protected_pages > self.cap_pages:
@@ -94,7 +101,7 @@ class SLRUPolicy:
             if victim.dead or victim.segment != PROTECTED or victim.last_access != la:
                 continue
             victim.segment = PROBATION
-            self.protected_pages -= victim.pages.size
+            self.protected_pages -= victim.span
             demoted.append(victim)
         if len(self._lru) > 4 * max(64, self.protected_pages):
             self._compact()
@@ -105,9 +112,13 @@ class SLRUPolicy:
         if upper.segment == PROTECTED:
             heapq.heappush(self._lru, (upper.last_access, upper.id, upper))
 
+    def on_trim(self, node: Node, num_pages: int) -> None:
+        if node.segment == PROTECTED:
+            self.protected_pages -= num_pages
+
     def on_remove(self, node: Node) -> None:
         if node.segment == PROTECTED:
-            self.protected_pages -= node.pages.size
+            self.protected_pages -= node.span
             node.segment = PROBATION
 
     def _compact(self) -> None:

@@ -100,13 +100,35 @@ class PrefixHasher:
     def key(self, tokens: object, page_size: int) -> TokenKey:
         return TokenKey(as_token_array(tokens), page_size, self)
 
+    def continue_keys(
+        self, before_key: int, start: int, tokens: U32Array, page_size: int
+    ) -> tuple[U64Array, int]:
+        """Keys of a path continued by ``tokens`` from position ``start`` (a page boundary).
+
+        ``before_key`` is the key of the path's first ``start`` tokens (0 for the empty path).
+        Returns the keys at the full-page boundaries inside ``[start, start + len(tokens))`` and
+        the key at its end: exactly what :class:`TokenKey` computes for the whole path, without
+        the path's earlier tokens (``RadixTree.check`` verifies a node from its parent's key).
+        """
+        assert start % page_size == 0 and tokens.size >= 1, (start, page_size, tokens.size)
+        n = tokens.size
+        raw = (before_key - start * _LEN_MULT) & _MASK
+        cum = np.cumsum(tokens * self.weights(start + n)[start:], dtype=np.uint64) + np.uint64(raw)
+        first = start // page_size
+        page_keys = (
+            cum[page_size - 1 :: page_size]
+            + self.length_terms(page_size, first + n // page_size)[first:]
+        )
+        end_key = (cum.item(n - 1) + (start + n) * _LEN_MULT) & _MASK
+        return page_keys, end_key
+
 
 class TokenKey:
     """One request's tokens plus its prefix keys at every full-page boundary and at its end.
 
     ``page_keys[i]`` is ``key((i + 1) * page_size)`` for each full page ``i``; ``end_key`` is
     ``key(len(tokens))``. Build it once per request and pass it to both match and insert.
-    A tree that inserts the key keeps a reference to ``tokens`` (no copy): do not mutate it.
+    A tree that inserts the key copies the tokens each node needs; the key itself is not kept.
     """
 
     __slots__ = ("tokens", "page_size", "num_full_pages", "page_keys", "end_key")
@@ -125,6 +147,21 @@ class TokenKey:
     def __len__(self) -> int:
         return int(self.tokens.size)
 
+    def prefix(self, num_tokens: int) -> TokenKey:
+        """The key of the first ``num_tokens`` tokens (a full-page boundary, or the whole key),
+        without hashing again: prefix keys are prefix-closed."""
+        if num_tokens == self.tokens.size:
+            return self
+        q, r = divmod(num_tokens, self.page_size)
+        assert r == 0 and 1 <= q <= self.num_full_pages, (num_tokens, self.page_size)
+        out = TokenKey.__new__(TokenKey)
+        out.tokens = self.tokens[:num_tokens]
+        out.page_size = self.page_size
+        out.num_full_pages = q
+        out.page_keys = self.page_keys[:q]
+        out.end_key = int(self.page_keys[q - 1])
+        return out
+
     def key_at(self, num_tokens: int) -> int:
         """The key of the prefix of ``num_tokens`` tokens, a full-page boundary or the end."""
         if num_tokens == self.tokens.size:
@@ -132,6 +169,10 @@ class TokenKey:
         q, r = divmod(num_tokens, self.page_size)
         assert r == 0 and q >= 1, (num_tokens, self.page_size)
         return int(self.page_keys[q - 1])
+
+    def same_tokens(self, lo: int, other: U32Array) -> bool:
+        """Whether ``tokens[lo : lo + len(other)]`` equals ``other`` (a node's own tokens)."""
+        return self.tokens[lo : lo + other.size].tobytes() == other.tobytes()
 
     def same_prefix(self, other: U32Array, lo: int, hi: int) -> bool:
         """Whether ``tokens[lo:hi]`` equals ``other[lo:hi]`` (both long enough, both uint32)."""

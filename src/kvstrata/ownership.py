@@ -1,4 +1,4 @@
-"""Page ownership under context parallelism, as pure functions (DESIGN.md, "Ownership").
+"""Page ownership under context parallelism, as pure functions (docs/design.md, "Ownership").
 
 ::
 

@@ -1,4 +1,4 @@
-"""The page-granular radix prefix tree (DESIGN.md, "Radix tree").
+"""The page-granular radix prefix tree (docs/design.md, "Radix tree").
 
 Keys are token ids; lengths are valid lengths. Edges split only at page boundaries, so every inner
 node ends on a page boundary and only a leaf may end inside a page (a *valid tail*)::
@@ -9,26 +9,43 @@ node ends on a page boundary and only a leaf may end inside a page (a *valid tai
 
 A node's children are keyed by the prefix key (``keys.py``) of their first page, so a step down is
 one dict lookup, and a whole node matches in O(1) when the request's key at the node's last page
-boundary equals the node's. A hit is always confirmed with one ``memcmp`` of the request's tokens
-against the tokens the node was built from; should the keys ever collide, the tree falls back to an
-exact token walk and counts it.
+boundary equals the node's. A hit is always confirmed against the tokens each node stores: its own
+tokens only, in its own array, so the tree never keeps a request's array alive. Should keys ever
+collide, the tree falls back to an exact token walk and counts it.
 
-Each node holds its device pages and a :class:`~kvstrata.residency.Residency`. ``lock_ref`` protects
-a node and, because eviction is leaf-up, every ancestor of it. Eviction order comes from a policy
-object over the logical clock, hit counts and node ids — replicated inputs only.
+Each node holds its pages per tier and one :class:`~kvstrata.residency.Residency`. Residency is
+root-connected per tier: a node on the device has its parent on the device, and a node with a host
+copy (committed or pending) has its parent's host copy too. So a match is a device part followed by
+a host-only part, and eviction from either tier is leaf-up::
+
+    root ── A (device+host) ── B (device+host) ──┬── C (host)        match: A B on device, C on host
+                                                 └── D (device+host, pending backup)
+
+``lock_ref`` protects a node's device pages and, leaf-up, its ancestors'; ``host_ref`` does the
+same for host pages that a copy is reading; a pending backup (``DEVICE_HOST_PENDING``) keeps its
+node out of both tiers' eviction until the commit frontier covers its ticket or it is rolled back.
+A split carries the pending state and ticket to both halves, so the marker always covers the whole
+pending range.
+
+The tree moves no bytes and frees nothing itself: each operation returns the pages it releases and
+the caller returns them to that tier's allocator. Eviction order and trimming are planned in
+``planner.py`` over the per-tier candidate heaps kept here; write-through and load-back drive the
+residency transitions from their own modules.
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+from .allocator import PageAllocator
 from .config import CacheConfig
-from .errors import ConfigError, TreeInvariantError
+from .errors import ConfigError, TreeUsageError
 from .eviction import PROBATION, EvictionPolicy, Priority, make_policy
 from .keys import PrefixHasher, TokenKey
 from .ownership import page_span
@@ -38,6 +55,17 @@ IntArray = npt.NDArray[np.int64]
 _EMPTY_PAGES: IntArray = np.empty(0, dtype=np.int64)
 _EMPTY_KEYS = np.empty(0, dtype=np.uint64)
 _EMPTY_TOKENS = np.empty(0, dtype=np.uint32)
+
+# Tuples, not sets: containment tests identity first, while Enum hashing is slow on hot paths.
+_ON_DEVICE = (Residency.DEVICE, Residency.DEVICE_HOST, Residency.DEVICE_HOST_PENDING)
+_ON_HOST = (Residency.DEVICE_HOST, Residency.HOST, Residency.DEVICE_HOST_PENDING)
+#: Residencies a tier may evict from (a pending backup is never evicted from either tier).
+_EVICTABLE = {
+    Tier.L1: (Residency.DEVICE, Residency.DEVICE_HOST),
+    Tier.L2: (Residency.DEVICE_HOST, Residency.HOST),
+}
+_NO_PAGE = -1  # a position the tree covers without a device page (host-only)
+_FOREIGN = -2  # a position the tree covers with other tokens under an equal key (a collision)
 
 
 class Node:
@@ -51,13 +79,19 @@ class Node:
         "end_key",
         "start",
         "end",
-        "seq",
+        "span",
+        "tokens",
         "keys",
         "num_full",
         "full_key",
         "pages",
+        "host_pages",
         "residency",
+        "ticket",
         "lock_ref",
+        "host_ref",
+        "device_children",
+        "host_children",
         "last_access",
         "hit_count",
         "segment",
@@ -71,9 +105,9 @@ class Node:
         first_key: int,
         end_key: int,
         start: int,
-        end: int,
-        seq: npt.NDArray[np.uint32],
+        tokens: npt.NDArray[np.uint32],
         keys: npt.NDArray[np.uint64],
+        span: int,
         pages: IntArray,
         last_access: int,
     ) -> None:
@@ -83,14 +117,20 @@ class Node:
         self.first_key = first_key  # key of this node in parent.children
         self.end_key = end_key  # prefix key at self.end
         self.start = start  # valid-token offset of the first token (page aligned)
-        self.end = end  # valid-token offset one past the last token
-        self.seq = seq  # a uint32 token array whose [0, end) is this node's whole path (shared)
+        self.end = start + tokens.size  # valid-token offset one past the last token
+        self.span = span  # pages covering [start, end), a valid tail included
+        self.tokens = tokens  # this node's own token ids (its own array)
         self.keys = keys  # prefix keys at this node's full-page boundaries
         self.num_full = keys.size  # full pages (a valid tail is not one)
         self.full_key = keys.item(-1) if keys.size else -1  # key at the last full-page boundary
-        self.pages = pages  # device logical pages, one per (possibly partial) page
+        self.pages = pages  # device logical pages (one per page of the span) or none
+        self.host_pages = _EMPTY_PAGES  # host logical pages, once a backup is attached
         self.residency = Residency.DEVICE
+        self.ticket = 0  # the backup ticket while DEVICE_HOST_PENDING
         self.lock_ref = 0
+        self.host_ref = 0
+        self.device_children = 0  # children with a device copy
+        self.host_children = 0  # children with a host copy (committed or pending)
         self.last_access = last_access
         self.hit_count = 0
         self.segment = PROBATION
@@ -100,28 +140,48 @@ class Node:
     def valid_len(self) -> int:
         return self.end - self.start
 
-    def tokens(self) -> npt.NDArray[np.uint32]:
-        """This node's own token ids (a view, no copy)."""
-        return self.seq[self.start : self.end]
+    @property
+    def on_device(self) -> bool:
+        return self.residency in _ON_DEVICE
+
+    @property
+    def on_host(self) -> bool:
+        """Whether host pages are attached (committed, or pending while a backup is in flight)."""
+        return self.residency in _ON_HOST
+
+    def tier_pages(self, tier: Tier) -> IntArray:
+        return self.pages if tier is Tier.L1 else self.host_pages
 
     def __repr__(self) -> str:
         return (
-            f"Node(id={self.id}, tokens=[{self.start}, {self.end}), pages={self.pages.size}, "
-            f"lock_ref={self.lock_ref}, children={len(self.children)})"
+            f"Node(id={self.id}, tokens=[{self.start}, {self.end}), {self.residency.value}, "
+            f"lock_ref={self.lock_ref}, host_ref={self.host_ref}, children={len(self.children)})"
         )
 
 
 @dataclass(frozen=True, slots=True)
 class MatchResult:
-    """What ``match_prefix`` found: a page-aligned valid length and the pages that hold it."""
+    """What ``match_prefix`` found: a page-aligned prefix, its device part and its host-only part.
+
+    ``[0, device_len)`` is on the device in ``device_pages``; ``[device_len, valid_len)`` is only
+    on the host, in ``host_pages`` of ``host_nodes`` (root side first), and needs a load-back
+    before a forward reads it. ``device_node`` ends at ``device_len`` (the root when nothing is on
+    the device) and is what a request locks; ``last_node`` ends at ``valid_len``.
+    """
 
     valid_len: int
+    device_len: int
     device_pages: IntArray
+    host_pages: IntArray
+    device_node: Node
     last_node: Node
+    host_nodes: tuple[Node, ...] = ()
 
     def pages(self, tier: Tier) -> IntArray:
-        """The matched pages of one tier (only the device tier exists so far)."""
-        return self.device_pages if tier is Tier.L1 else _EMPTY_PAGES
+        """The matched pages of one tier (the disk tier is not built yet)."""
+        if tier is Tier.L1:
+            return self.device_pages
+        return self.host_pages if tier is Tier.L2 else _EMPTY_PAGES
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,24 +192,55 @@ class InsertResult:
     free_pages: the caller's pages the tree did not keep (duplicates of cached pages, including a
         duplicate valid tail); the caller must free them.
     node: the node now holding the sequence's last token (the root if nothing was kept).
+    pages: the device pages that hold the sequence from now on: the tree's where it had its own
+        page for a position, the caller's elsewhere (a caller still computing reads these).
     """
 
     prefix_len: int
     free_pages: IntArray
     node: Node
+    pages: IntArray
+
+
+@dataclass(frozen=True, slots=True)
+class TreeStats:
+    """Size of the tree's bookkeeping against what it caches."""
+
+    nodes: int
+    tokens: int
+    device_pages: int
+    host_pages: int
+    bytes: int  # node objects, their dicts and arrays (token ids, keys, pages)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes / self.tokens if self.tokens else 0.0
 
 
 class RadixTree:
-    """Page-granular radix tree over token ids with leaf-up, policy-ordered eviction."""
+    """Page-granular radix tree over token ids with per-tier residency and leaf-up eviction.
+
+    ``capacity_pages`` sizes the eviction policy (the SLRU protected cap). With an ``allocator``
+    (and ``host_allocator``), pages handed to the tree are checked to lie in its page space and
+    to be allocated; without one, only against the tree's own pages.
+    """
 
     def __init__(
         self,
         config: CacheConfig,
         capacity_pages: int,
         hasher: PrefixHasher | None = None,
+        *,
+        host_capacity_pages: int = 0,
+        allocator: PageAllocator | None = None,
+        host_allocator: PageAllocator | None = None,
     ) -> None:
-        if capacity_pages < 1:
-            raise ConfigError(f"capacity_pages must be >= 1, got {capacity_pages}")
+        for name, value, low in (
+            ("capacity_pages", capacity_pages, 1),
+            ("host_capacity_pages", host_capacity_pages, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         self.config = config
         self.page_size = config.page_size
         self.cp_size = config.cp_size
@@ -158,13 +249,24 @@ class RadixTree:
         self.policy: EvictionPolicy = make_policy(config, capacity_pages)
         self.clock = 0
         self._next_id = 1
-        self.root = Node(0, None, 0, 0, 0, 0, _EMPTY_TOKENS, _EMPTY_KEYS, _EMPTY_PAGES, 0)
-        self.num_pages = 0
+        self.root = Node(0, None, 0, 0, 0, _EMPTY_TOKENS, _EMPTY_KEYS, 0, _EMPTY_PAGES, 0)
+        self.num_pages = 0  # device pages held
+        self.num_host_pages = 0  # host pages held (committed or pending)
         self.num_tokens = 0
         self.num_nodes = 0
         self.hash_collisions = 0
-        self._heap: list[tuple[Priority, Node]] = []
-        self._version = 0  # bumped by every structural change (new leaf, split, removal)
+        self.heaps: dict[Tier, list[tuple[Priority, Node]]] = {Tier.L1: [], Tier.L2: []}
+        # Which page ids the tree holds, per tier (grown on demand; bounded by an allocator).
+        self._held = {
+            Tier.L1: np.zeros(allocator.num_pages if allocator else capacity_pages, np.bool_),
+            Tier.L2: np.zeros(
+                host_allocator.num_pages if host_allocator else host_capacity_pages, np.bool_
+            ),
+        }
+        self._stamp = {t: np.zeros(m.size, dtype=np.int64) for t, m in self._held.items()}
+        self._allocators = {Tier.L1: allocator, Tier.L2: host_allocator}
+        self._pending: dict[int, list[Node]] = {}  # backup ticket -> nodes it covers
+        self._version = 0  # bumped by every structural change (new leaf, split, trim, removal)
         self._memo: tuple[TokenKey, int, list[Node], int] | None = None
 
     # -- keys ------------------------------------------------------------------------------------
@@ -184,11 +286,11 @@ class RadixTree:
     def match_prefix(
         self, tokens: TokenKey | object, max_len: int | None = None, record: bool = True
     ) -> MatchResult:
-        """The longest cached prefix of ``tokens`` in whole pages, and its device pages.
+        """The longest cached prefix of ``tokens`` in whole pages, in every tier.
 
         ``max_len`` caps the match (an engine that recomputes a request's last token passes the
-        page boundary before it). A match that ends inside a node splits it there, so
-        ``last_node`` ends exactly at ``valid_len`` and locking it pins only the matched pages.
+        page boundary before it). A match that ends inside a node splits it there, so the nodes
+        of the result end exactly where the matched parts do and locks pin only matched pages.
         With ``record`` (the default) the match bumps the logical clock and records an access and
         a hit on every node of its path; a caller that may still back out passes
         ``record=False`` and calls :meth:`record_hit` once it uses the match.
@@ -196,29 +298,32 @@ class RadixTree:
         key = self.key(tokens)
         path, m = self._descend(key)
         P = self.page_size
-        capped = False
         if max_len is not None and m * P > max_len:
-            capped, m = True, max(max_len, 0) // P
+            m = max(max_len, 0) // P
             path = [n for n in path if n.start < m * P]
         if path and path[-1].end > m * P:
             path = [*path[:-1], self._split(path[-1], m * P)]
-            if not capped:
-                self._memo = (key, self._version, path, m)  # still the walk an insert would do
+            self._memo = (key, self._version, path, m)  # still the walk an insert would do
         if record:
             self._record(path)
         if not path:
-            return MatchResult(0, _EMPTY_PAGES, self.root)
-        last = path[-1]
-        pages = last.pages[:m] if len(path) == 1 else np.concatenate([n.pages for n in path])[:m]
-        return MatchResult(m * P, pages, last)
+            return MatchResult(0, 0, _EMPTY_PAGES, _EMPTY_PAGES, self.root, self.root)
+        on_device = [n for n in path if n.pages.size]  # a leading run: device residency is rooted
+        host_only = tuple(path[len(on_device) :])
+        device_node = on_device[-1] if on_device else self.root
+        return MatchResult(
+            valid_len=m * P,
+            device_len=device_node.end,
+            device_pages=_concat([n.pages for n in on_device]),
+            host_pages=_concat([n.host_pages for n in host_only]),
+            device_node=device_node,
+            last_node=path[-1],
+            host_nodes=host_only,
+        )
 
     def record_hit(self, node: Node) -> None:
         """Record an access and a hit on ``node`` and its ancestors (a match used late)."""
-        path: list[Node] = []
-        while node.parent is not None:
-            path.append(node)
-            node = node.parent
-        self._record(path[::-1])
+        self._record(_path_to(node))
 
     def _record(self, path: list[Node]) -> None:
         self.clock += 1
@@ -242,11 +347,17 @@ class RadixTree:
         if memo is not None and memo[0] is key and memo[1] == self._version:
             return memo[2], memo[3]
         path, m = self._descend_by_keys(key)
-        if m and not key.same_prefix(path[-1].seq, 0, m * self.page_size):
+        if m and not self._confirm(key, path, m * self.page_size):
             self.hash_collisions += 1
             path, m = self._descend_exact(key)
         self._memo = (key, self._version, path, m)
         return path, m
+
+    @staticmethod
+    def _confirm(key: TokenKey, path: list[Node], length: int) -> bool:
+        """Whether the tokens of ``path`` equal ``key``'s first ``length`` tokens (one memcmp)."""
+        tokens = path[0].tokens if len(path) == 1 else np.concatenate([n.tokens for n in path])
+        return key.same_tokens(0, tokens[:length])
 
     def _descend_by_keys(self, key: TokenKey) -> tuple[list[Node], int]:
         keys, nf, P = key.page_keys, key.num_full_pages, self.page_size
@@ -284,89 +395,169 @@ class RadixTree:
                 (
                     c
                     for c in node.children.values()
-                    if c.keys.size and key.same_prefix(c.seq, lo, lo + P)
+                    if c.keys.size and key.same_tokens(lo, c.tokens[:P])
                 ),
                 None,
             )
             if nxt is None:
                 break
             lim, j = min(nxt.keys.size, nf - m), 1
-            while j < lim and key.same_prefix(nxt.seq, lo + j * P, lo + (j + 1) * P):
+            while j < lim and key.same_tokens(lo + j * P, nxt.tokens[j * P : (j + 1) * P]):
                 j += 1
             path.append(nxt)
             m += j
-            if j < nxt.keys.size or nxt.end > nxt.start + j * self.page_size:
+            if j < nxt.keys.size or nxt.end > nxt.start + j * P:
                 break
             node = nxt
         return path, m
 
     # -- insert ----------------------------------------------------------------------------------
 
-    def insert(
-        self, tokens: TokenKey | object, pages: IntArray, cached_len: int = 0
-    ) -> InsertResult:
-        """Insert a whole sequence whose KV sits in ``pages`` (one per page of its padded span).
+    def insert(self, tokens: TokenKey | object, pages: IntArray) -> InsertResult:
+        """Insert a whole sequence whose KV sits in the device ``pages`` (one per page of its
+        padded span).
 
-        ``pages[:cached_len // page_size]`` must be the tree's own pages that the caller got from
-        ``match_prefix`` and kept locked; the rest are the caller's freshly computed pages. Pages
-        covering tokens the tree already holds (a concurrent insert of the same prefix, or a
-        duplicate valid tail) are returned in ``free_pages`` for the caller to free.
+        Where the tree already covers a position, a page equal to the tree's own is simply the
+        tree's (the caller got it from ``match_prefix`` and kept it locked); any other page there
+        is a duplicate, returned in ``free_pages`` for the caller to free. Positions the tree holds
+        only on the host take the caller's device pages (a device copy for them). The rest form a
+        new leaf. Pages the tree already holds elsewhere, pages listed twice, page ids out of
+        range, and (with an allocator) pages that are not allocated raise
+        :class:`~kvstrata.errors.TreeUsageError` before anything changes.
         """
         key = self.key(tokens)
         P, n = self.page_size, len(key)
         num_pages = page_span(n, P)
-        if pages.shape != (num_pages,):
+        pages = np.asarray(pages)
+        if pages.shape != (num_pages,) or (pages.size and pages.dtype.kind not in "iu"):
             raise ConfigError(
-                f"insert of {n} tokens needs {num_pages} pages (page_size {P}), got shape {pages.shape}"
+                f"insert of {n} tokens needs {num_pages} integer pages (page_size {P}), got "
+                f"{pages.dtype} of shape {pages.shape}"
             )
-        if cached_len < 0 or cached_len % P or cached_len > n:
-            raise ConfigError(
-                f"cached_len must be a page-aligned length <= {n}, got {cached_len} (page_size {P})"
-            )
+        pages = pages.astype(np.int64, copy=False)
         path, m = self._descend(key)
-        if cached_len > m * P:
-            raise ConfigError(
-                f"cached_len {cached_len} exceeds the {m * P} tokens the tree holds for this key; "
-                "keep the matched node locked between match_prefix and insert"
-            )
-        self.clock += 1
-        for node in path:
-            node.last_access = self.clock
-        self._notify_access(path, hit=False)
         node = path[-1] if path else self.root
-        kept = m  # caller pages up to here are covered by the tree's own pages
-        prefix_len = m * P
+        kept, prefix_len = m, m * P  # pages [0, kept) are covered by the tree
+        tail_owner: Node | None = None  # the node holding an identical valid tail
+        split_leaf = new_leaf = False
         if m * P < n:
             rest_is_tail = n - m * P < P
             if node.end > m * P:  # the match ends inside `node`
-                if rest_is_tail and node.end == n and self._same_tokens(node, key, m * P, n):
-                    kept, prefix_len = num_pages, n  # duplicate valid tail
+                if rest_is_tail and node.end == n and self._same_tail(node, key, m * P):
+                    tail_owner, kept, prefix_len = node, num_pages, n
+                elif self._lower_first_key(node, m * P) == self._child_key(key, m):
+                    self.hash_collisions += 1  # the new page's key equals the split-off part's
+                    kept = num_pages
                 else:
-                    upper = self._split(node, m * P)
-                    if self._child_key(key, m) in upper.children:
-                        self.hash_collisions += 1  # the new page's key equals the split-off part's
-                        node, kept = upper, num_pages
-                    else:
-                        node = self._new_leaf(upper, key, m, pages)
+                    split_leaf = True
             else:
                 twin = node.children.get(self._child_key(key, m))
                 if twin is None:
-                    node = self._new_leaf(node, key, m, pages)
-                elif rest_is_tail and twin.end == n and self._same_tokens(twin, key, m * P, n):
-                    twin.last_access = self.clock
-                    self._notify_access([twin], hit=False)
-                    node, kept, prefix_len = twin, num_pages, n  # duplicate valid tail
+                    new_leaf = True
+                elif rest_is_tail and twin.end == n and self._same_tail(twin, key, m * P):
+                    tail_owner, kept, prefix_len = twin, num_pages, n
                 else:
                     self.hash_collisions += 1  # a different page under an equal key: keep none
                     kept = num_pages
-        free_pages = pages[cached_len // P : kept].copy()
-        return InsertResult(prefix_len, free_pages, node)
+
+        # What the tree holds at each covered position, to tell its own pages from duplicates.
+        covered = [n.pages if n.pages.size else np.full(n.span, _NO_PAGE) for n in path]
+        if tail_owner is not None and tail_owner is not node:
+            covered.append(tail_owner.pages if tail_owner.pages.size else np.array([_NO_PAGE]))
+        tree_pages = _concat(covered)[:kept]
+        if tree_pages.size < kept:  # a collision: the tree holds other tokens there
+            tree_pages = np.concatenate([tree_pages, np.full(kept - tree_pages.size, _FOREIGN)])
+        own = tree_pages == pages[:kept]
+        attach = tree_pages == _NO_PAGE
+        self._check_new_pages(Tier.L1, np.concatenate([pages[:kept][~own], pages[kept:]]))
+
+        self.clock += 1
+        for p in path:
+            p.last_access = self.clock
+        self._notify_access(path, hit=False)
+        if tail_owner is not None and tail_owner is not node:
+            tail_owner.last_access = self.clock
+            self._notify_access([tail_owner], hit=False)
+        last_partial = bool(path) and path[-1].end > m * P and tail_owner is not path[-1]
+        if split_leaf or (last_partial and attach.any()):
+            # A host-only node gets device pages only where the caller has them: split first.
+            path = [*path[:-1], self._split(path[-1], m * P)]
+        if attach.any():
+            self._attach_along(path, tail_owner, pages)
+        if split_leaf:
+            node = self._new_leaf(path[-1], key, m, pages)
+        elif last_partial and not new_leaf and tail_owner is None:
+            node = path[-1]
+        elif new_leaf:
+            node = self._new_leaf(node, key, m, pages)
+        elif tail_owner is not None:
+            node = tail_owner
+        dup = ~own & ~attach
+        free_pages = pages[:kept][dup].copy()
+        seq_pages = pages.copy()
+        replaced = dup & (tree_pages >= 0)  # not where a collision put other tokens
+        seq_pages[:kept][replaced] = tree_pages[replaced]
+        return InsertResult(prefix_len, free_pages, node, seq_pages)
+
+    def _check_new_pages(self, tier: Tier, fresh: IntArray) -> None:
+        """Refuse pages that would corrupt the tree: out of range, listed twice, already held,
+        or (with an allocator) free."""
+        if fresh.size == 0:
+            return
+        lo, hi = int(fresh.min()), int(fresh.max())
+        allocator = self._allocators[tier]
+        bound = allocator.num_pages if allocator is not None else None
+        if lo < 0 or (bound is not None and hi >= bound):
+            raise TreeUsageError(
+                f"{tier.name} page {lo if lo < 0 else hi} is outside [0, {bound or 'inf'})"
+            )
+        held = self._held_upto(tier, hi)
+        stamp = self._stamp[tier]  # each page writes its index; a page listed twice keeps its last
+        order = np.arange(fresh.size, dtype=np.int64)
+        stamp[fresh] = order
+        if not np.array_equal(stamp[fresh], order):
+            raise TreeUsageError(f"{tier.name} pages listed twice in one call: {fresh.tolist()}")
+        if held[fresh].any():
+            bad = int(fresh[np.flatnonzero(held[fresh])[0]])
+            raise TreeUsageError(
+                f"{tier.name} page {bad} is already held by the tree; pass the pages match_prefix "
+                "returned at their positions, and pages freshly allocated elsewhere"
+            )
+        if allocator is not None and allocator.is_free(fresh).any():
+            bad = int(fresh[np.flatnonzero(allocator.is_free(fresh))[0]])
+            raise TreeUsageError(f"{tier.name} page {bad} was never allocated (it is free)")
+
+    def holds(self, pages: IntArray, tier: Tier = Tier.L1) -> npt.NDArray[np.bool_]:
+        """Which of ``pages`` (ids >= 0) the tree holds in ``tier``."""
+        held = self._held[tier]
+        out = np.zeros(pages.shape, dtype=np.bool_)
+        inside = pages < held.size
+        out[inside] = held[pages[inside]]
+        return out
+
+    def _held_upto(self, tier: Tier, page: int) -> npt.NDArray[np.bool_]:
+        """The tier's held-page mask, grown (doubling) to cover page id ``page``."""
+        held = self._held[tier]
+        if page >= held.size:
+            size = max(page + 1, 2 * held.size)
+            self._held[tier] = held = np.concatenate([held, np.zeros(size - held.size, np.bool_)])
+            self._stamp[tier] = np.zeros(size, dtype=np.int64)
+        return held
+
+    def _attach_along(self, path: list[Node], tail_owner: Node | None, pages: IntArray) -> None:
+        """Give host-only nodes on the inserted path the caller's device pages."""
+        nodes = path if tail_owner is None or tail_owner in path else [*path, tail_owner]
+        P = self.page_size
+        for n in nodes:
+            if not n.on_device:
+                lo = n.start // P
+                self._set_device(n, pages[lo : lo + n.span].copy())
 
     def _notify_access(self, nodes: list[Node], hit: bool) -> None:
         if self.policy.tracks_access:
             for node in nodes:
                 for demoted in self.policy.on_access(node, hit):
-                    self._push_if_evictable(demoted)
+                    self._refresh(demoted)
 
     def _child_key(self, key: TokenKey, m: int) -> int:
         """The key a child holding ``key``'s tokens from page ``m`` on is registered under."""
@@ -374,40 +565,45 @@ class RadixTree:
             key.end_key if len(key) - m * self.page_size < self.page_size else key.page_keys.item(m)
         )
 
+    def _lower_first_key(self, node: Node, at: int) -> int:
+        """The key the part of ``node`` from token ``at`` on would be registered under."""
+        k = (at - node.start) // self.page_size
+        return int(node.keys[k]) if node.keys.size > k else node.end_key
+
     @staticmethod
-    def _same_tokens(node: Node, key: TokenKey, lo: int, hi: int) -> bool:
-        return key.same_prefix(node.seq, lo, hi)
+    def _same_tail(node: Node, key: TokenKey, lo: int) -> bool:
+        """Whether ``node``'s tokens from ``lo`` to its end equal ``key``'s."""
+        return key.same_tokens(lo, node.tokens[lo - node.start :])
 
     def _new_leaf(self, parent: Node, key: TokenKey, m: int, pages: IntArray) -> Node:
         self._version += 1
         P, n = self.page_size, len(key)
         start = m * P
-        first_key = self._child_key(key, m)
         leaf = Node(
             self._next_id,
             parent,
-            first_key,
+            self._child_key(key, m),
             key.end_key,
             start,
-            n,
-            key.tokens,
-            key.page_keys[m:],
-            pages[m:].copy(),
+            key.tokens[start:].copy(),
+            key.page_keys[m:].copy(),
+            page_span(n - start, P),
+            _EMPTY_PAGES,
             self.clock,
         )
         self._next_id += 1
-        parent.children[first_key] = leaf
-        self.num_pages += leaf.pages.size
+        parent.children[leaf.first_key] = leaf
         self.num_tokens += n - start
         self.num_nodes += 1
-        self._push_if_evictable(leaf)
+        self._set_device(leaf, pages[m:].copy())
         return leaf
 
     def _split(self, node: Node, at: int) -> Node:
         """Split ``node`` at token ``at`` (a page boundary inside it); return the new upper part.
 
-        The existing object keeps the lower part, so its locks, children and heap entries stay
-        valid; the new node takes ``[node.start, at)`` and the node's place under its parent.
+        The existing object keeps the lower part, so its locks, children, heap entries and
+        pending ticket stay valid; the new node takes ``[node.start, at)``, the node's place under
+        its parent, its residency and (if pending) its ticket.
         """
         self._version += 1
         P = self.page_size
@@ -421,21 +617,32 @@ class RadixTree:
             node.first_key,
             int(node.keys[k - 1]),
             node.start,
-            at,
-            node.seq,
-            node.keys[:k],
-            node.pages[:k],
+            node.tokens[: k * P].copy(),
+            node.keys[:k].copy(),
+            k,
+            node.pages[:k].copy() if node.on_device else _EMPTY_PAGES,
             node.last_access,
         )
         self._next_id += 1
-        upper.hit_count = node.hit_count
+        upper.host_pages = node.host_pages[:k].copy() if node.on_host else _EMPTY_PAGES
         upper.residency = node.residency
+        upper.ticket = node.ticket
+        upper.hit_count = node.hit_count
+        upper.device_children = int(node.on_device)
+        upper.host_children = int(node.on_host)
+        if node.ticket:
+            self._pending[node.ticket].append(upper)
         parent.children[node.first_key] = upper
-        node.first_key = int(node.keys[k]) if node.keys.size > k else node.end_key
-        node.keys = node.keys[k:]
+        node.first_key = self._lower_first_key(node, at)
+        node.keys = node.keys[k:].copy()
+        node.tokens = node.tokens[k * P :].copy()
         node.num_full = node.keys.size
         node.full_key = node.keys.item(-1) if node.keys.size else -1
-        node.pages = node.pages[k:]
+        node.span -= k
+        if node.on_device:
+            node.pages = node.pages[k:].copy()
+        if node.on_host:
+            node.host_pages = node.host_pages[k:].copy()
         node.start = at
         node.parent = upper
         upper.children[node.first_key] = node
@@ -446,55 +653,296 @@ class RadixTree:
     # -- locks -----------------------------------------------------------------------------------
 
     def lock(self, node: Node) -> None:
-        """Protect ``node`` and, since eviction is leaf-up, all of its ancestors."""
+        """Protect ``node``'s device pages and, since eviction is leaf-up, its ancestors'."""
+        self._check_alive(node, "lock")
+        if node is not self.root and not node.on_device:
+            raise TreeUsageError(
+                f"lock of {node!r}, which has no device pages; load it back first (host_lock "
+                "protects host pages)"
+            )
         node.lock_ref += 1
 
     def unlock(self, node: Node) -> None:
         if node.lock_ref <= 0:
-            raise TreeInvariantError(f"unlock of {node!r} which is not locked")
+            raise TreeUsageError(f"unlock of {node!r} which is not locked")
         node.lock_ref -= 1
         if node.lock_ref == 0:
-            self._push_if_evictable(node)
+            self._refresh(node)
 
-    # -- eviction --------------------------------------------------------------------------------
+    def host_lock(self, node: Node) -> None:
+        """Protect ``node``'s host pages (and its ancestors') while a copy reads them."""
+        self._check_alive(node, "host_lock")
+        if node is not self.root and not node.on_host:
+            raise TreeUsageError(f"host_lock of {node!r}, which has no host pages")
+        node.host_ref += 1
 
-    def _push_if_evictable(self, node: Node) -> None:
-        if not node.children and node.lock_ref == 0 and not node.dead and node is not self.root:
-            heapq.heappush(self._heap, (self.policy.priority(node), node))
+    def host_unlock(self, node: Node) -> None:
+        if node.host_ref <= 0:
+            raise TreeUsageError(f"host_unlock of {node!r} whose host pages are not locked")
+        node.host_ref -= 1
+        if node.host_ref == 0:
+            self._refresh(node)
 
-    def evict(self, num_pages: int) -> IntArray:
-        """Evict leaves in policy order until at least ``num_pages`` device pages are freed (or
-        nothing evictable is left). Returns the freed pages; the caller returns them to the
-        allocator."""
-        freed: list[IntArray] = []
+    def _check_alive(self, node: Node, what: str) -> None:
+        if node.dead:
+            raise TreeUsageError(
+                f"{what} of {node!r}, which was evicted; match again to get a live node"
+            )
+
+    # -- residency transitions (driven by write-through, load-back and the planner) -------------
+
+    def start_backup(self, node: Node, host_pages: IntArray, ticket: int) -> None:
+        """Attach reserved host pages to a device-only node: ``DEVICE -> DEVICE_HOST_PENDING``.
+
+        The copy into them is in flight under ``ticket``; the node is invisible as a host copy
+        and unevictable until :meth:`commit_backup` or :meth:`abort_backup` of that ticket.
+        """
+        self._check_alive(node, "start_backup")
+        parent = node.parent
+        if node.residency is not Residency.DEVICE or parent is None:
+            raise TreeUsageError(f"start_backup of {node!r}: only a device-only node backs up")
+        if parent is not self.root and not parent.on_host:
+            raise TreeUsageError(
+                f"start_backup of {node!r}: its parent {parent.id} has no host copy (host "
+                "residency is root-connected)"
+            )
+        if ticket < 1:
+            raise TreeUsageError(f"backup tickets are >= 1, got {ticket}")
+        host_pages = np.asarray(host_pages, dtype=np.int64)
+        if host_pages.shape != (node.span,):
+            raise TreeUsageError(
+                f"start_backup of {node!r}: {node.span} host pages needed, got {host_pages.shape}"
+            )
+        lanes_ok = host_pages % self.cp_size == node.pages % self.cp_size
+        if not lanes_ok.all():
+            raise TreeUsageError(f"start_backup of {node!r}: host pages of the wrong lanes")
+        self._check_new_pages(Tier.L2, host_pages)
+        self._set_host(node, host_pages.copy(), Residency.DEVICE_HOST_PENDING)
+        node.ticket = ticket
+        self._pending.setdefault(ticket, []).append(node)
+
+    def pending_tickets(self) -> list[int]:
+        """Tickets with nodes still pending, oldest first."""
+        return sorted(self._pending)
+
+    def commit_backup(self, ticket: int) -> int:
+        """The frontier covers ``ticket``: its nodes' host copies become visible and evictable.
+        Returns how many pages were committed."""
         count = 0
-        heap, policy = self._heap, self.policy
-        while count < num_pages and heap:
-            prio, node = heapq.heappop(heap)
-            if node.dead or node.children or node.lock_ref:
-                continue
-            current = policy.priority(node)
-            if current != prio:  # accessed since it was queued: its priority only grew
-                heapq.heappush(heap, (current, node))
-                continue
-            freed.append(self._remove_leaf(node))
-            count += freed[-1].size
-        if len(heap) > 4 * self.num_nodes + 64:
-            self._rebuild_heap()
-        return np.concatenate(freed) if freed else _EMPTY_PAGES
+        for node in self._pending.pop(ticket, []):
+            assert node.residency is Residency.DEVICE_HOST_PENDING and not node.dead, node
+            node.residency = Residency.DEVICE_HOST
+            node.ticket = 0
+            count += node.span
+            self._refresh(node)
+        return count
 
-    def eviction_order(self) -> list[Node]:
-        """The order ``evict`` would remove every evictable node, without removing any (for tests
-        and reports). Leaf-up: a parent appears once all its children have."""
-        saved = list(self._heap)
+    def abort_backup(self, ticket: int) -> list[tuple[int, IntArray]]:
+        """Roll back ``ticket``: its nodes drop their host pages (``-> DEVICE``), and so do their
+        descendants' pending backups, which cannot stand without them.
+
+        Returns ``(ticket, host_pages)`` per rolled-back node: the caller frees each once that
+        ticket's copy has landed (another ticket's copy may still be writing into its pages).
+        """
+        out: list[tuple[int, IntArray]] = []
+        stack = list(self._pending.pop(ticket, []))
+        while stack:
+            node = stack.pop()
+            if node.residency is not Residency.DEVICE_HOST_PENDING:
+                continue  # reached twice (an ancestor's descendant walk found it first)
+            out.append((node.ticket, self._drop_host(node)))
+            for child in node.children.values():
+                if child.on_host:
+                    stack.append(child)
+        for t, group in list(self._pending.items()):  # descendants taken from other tickets
+            left = [n for n in group if n.residency is Residency.DEVICE_HOST_PENDING]
+            if left:
+                self._pending[t] = left
+            else:
+                del self._pending[t]
+        return out
+
+    def attach_device(self, node: Node, device_pages: IntArray) -> None:
+        """Load-back: a host-only node gets device pages (``HOST -> DEVICE_HOST``); the caller
+        copies the bytes in before any forward reads them."""
+        self._check_alive(node, "attach_device")
+        parent = node.parent
+        if node.residency is not Residency.HOST or parent is None:
+            raise TreeUsageError(f"attach_device of {node!r}: only a host-only node loads back")
+        if parent is not self.root and not parent.on_device:
+            raise TreeUsageError(
+                f"attach_device of {node!r}: load its parent {parent.id} first (device residency "
+                "is root-connected)"
+            )
+        device_pages = np.asarray(device_pages, dtype=np.int64)
+        if device_pages.shape != (node.span,) or not np.array_equal(
+            device_pages % self.cp_size, node.host_pages % self.cp_size
+        ):
+            raise TreeUsageError(
+                f"attach_device of {node!r}: {node.span} device pages of the host pages' lanes "
+                f"needed, got {device_pages.tolist()}"
+            )
+        self._check_new_pages(Tier.L1, device_pages)
+        self._set_device(node, device_pages.copy())
+
+    def trim(self, node: Node, tier: Tier, count: int) -> IntArray:
+        """Release the last ``count`` pages of ``node`` from ``tier`` and return them.
+
+        ``node`` must be an eviction candidate of ``tier`` (:meth:`is_candidate`). Where the node
+        has no other copy, its tail is cut off (all of it: the node goes); where it has one, the
+        tail part keeps only that copy (a split first if only part of the node goes).
+        """
+        assert self.is_candidate(node, tier) and 0 < count <= node.span, (node, tier, count)
+        if node.residency is not Residency.DEVICE_HOST:  # the only copy: cut the tail off
+            return self._cut_tail(node, tier, count)
+        if count < node.span:
+            self._split(node, (node.start // self.page_size + node.span - count) * self.page_size)
+        return self._drop_device(node) if tier is Tier.L1 else self._drop_host(node)
+
+    def _cut_tail(self, node: Node, tier: Tier, count: int) -> IntArray:
+        """Remove the last ``count`` pages of a leaf that holds them in ``tier`` only."""
+        self._version += 1
+        pages = node.pages if tier is Tier.L1 else node.host_pages
+        freed = pages[node.span - count :].copy()
+        self._held[tier][freed] = False
+        self._count_pages(tier, -count)
+        parent = node.parent
+        assert parent is not None and not node.children
+        if count == node.span:
+            del parent.children[node.first_key]
+            node.dead = True
+            self.policy.on_remove(node)
+            self.num_tokens -= node.valid_len
+            self.num_nodes -= 1
+            if tier is Tier.L1:
+                parent.device_children -= 1
+            else:
+                parent.host_children -= 1
+            self._refresh(parent)
+            return freed
+        keep = node.span - count  # whole pages kept, so the node now ends on a page boundary
+        P = self.page_size
+        self.num_tokens -= node.valid_len - keep * P
+        self.policy.on_trim(node, count)
+        node.tokens = node.tokens[: keep * P].copy()
+        node.keys = node.keys[:keep].copy()
+        node.num_full = keep
+        node.full_key = node.end_key = node.keys.item(-1)
+        node.end = node.start + keep * P
+        node.span = keep
+        if tier is Tier.L1:
+            node.pages = node.pages[:keep].copy()
+        else:
+            node.host_pages = node.host_pages[:keep].copy()
+        self._refresh(node)
+        return freed
+
+    def _set_device(self, node: Node, pages: IntArray) -> None:
+        assert not node.on_device or node.pages.size == 0, node
+        node.pages = pages
+        self._held[Tier.L1][pages] = True
+        self._count_pages(Tier.L1, pages.size)
+        host = node.residency is Residency.HOST
+        node.residency = Residency.DEVICE_HOST if host else Residency.DEVICE
+        assert node.parent is not None
+        node.parent.device_children += 1
+        self._refresh(node)
+
+    def _set_host(self, node: Node, pages: IntArray, residency: Residency) -> None:
+        node.host_pages = pages
+        self._held[Tier.L2][pages] = True
+        self._count_pages(Tier.L2, pages.size)
+        node.residency = residency
+        assert node.parent is not None
+        node.parent.host_children += 1
+
+    def _drop_device(self, node: Node) -> IntArray:
+        """``DEVICE_HOST -> HOST``: the device copy goes, the committed host copy stays."""
+        self._version += 1
+        freed = node.pages
+        self._held[Tier.L1][freed] = False
+        self._count_pages(Tier.L1, -freed.size)
+        node.pages = _EMPTY_PAGES
+        node.residency = Residency.HOST
+        parent = node.parent
+        assert parent is not None
+        parent.device_children -= 1
+        self._refresh(parent)
+        self._refresh(node)
+        return freed
+
+    def _drop_host(self, node: Node) -> IntArray:
+        """``DEVICE_HOST(_PENDING) -> DEVICE``: the host copy goes, the device copy stays."""
+        self._version += 1
+        freed = node.host_pages
+        self._held[Tier.L2][freed] = False
+        self._count_pages(Tier.L2, -freed.size)
+        node.host_pages = _EMPTY_PAGES
+        node.residency = Residency.DEVICE
+        node.ticket = 0
+        parent = node.parent
+        assert parent is not None
+        parent.host_children -= 1
+        self._refresh(parent)
+        self._refresh(node)
+        return freed
+
+    def _count_pages(self, tier: Tier, delta: int) -> None:
+        if tier is Tier.L1:
+            self.num_pages += delta
+        else:
+            self.num_host_pages += delta
+
+    # -- eviction candidates ---------------------------------------------------------------------
+
+    def is_candidate(self, node: Node, tier: Tier) -> bool:
+        """Whether ``tier`` may release pages of ``node`` now: it holds them there, nothing
+        protects them, and no child holds pages in that tier (leaf-up)."""
+        if node.dead or node.parent is None:
+            return False
+        r = node.residency  # identity tests: hashing an Enum (a dict or set lookup) is slow here
+        if tier is Tier.L1:
+            ok = r is Residency.DEVICE or r is Residency.DEVICE_HOST
+            return ok and node.lock_ref == 0 and node.device_children == 0
+        ok = r is Residency.HOST or r is Residency.DEVICE_HOST
+        return ok and node.host_ref == 0 and node.host_children == 0
+
+    def _refresh(self, node: Node) -> None:
+        """Queue ``node`` in the heap of every tier it is now a candidate of (entries are lazy:
+        the planner skips stale ones)."""
+        for tier, heap in self.heaps.items():
+            if self.is_candidate(node, tier):
+                heapq.heappush(heap, (self.policy.priority(node), node))
+
+    def compact_heaps(self) -> None:
+        """Drop stale heap entries once they outnumber the nodes (called by the planner)."""
+        for tier, heap in self.heaps.items():
+            if len(heap) > 4 * self.num_nodes + 64:
+                fresh = [
+                    (self.policy.priority(n), n) for n in self.nodes() if self.is_candidate(n, tier)
+                ]
+                heapq.heapify(fresh)
+                self.heaps[tier] = fresh
+
+    def evict(self, deficit: int | IntArray, tier: Tier = Tier.L1) -> IntArray:
+        """Free pages of ``tier`` for a deficit; see :func:`kvstrata.planner.evict`."""
+        from .planner import evict
+
+        return evict(self, tier, deficit)
+
+    def eviction_order(self, tier: Tier = Tier.L1) -> list[Node]:
+        """The order in which eviction would release every candidate of ``tier`` whole, without
+        changing anything (for tests and reports). Leaf-up: a parent follows its children."""
         order: list[Node] = []
-        gone: set[int] = set()
-        heap = list(self._heap)
+        heap = list(self.heaps[tier])
         heapq.heapify(heap)
-        remaining = {n.id: len(n.children) for n in self.nodes()}
+        children = {
+            n.id: n.device_children if tier is Tier.L1 else n.host_children for n in self.nodes()
+        }
+        gone: set[int] = set()
         while heap:
             prio, node = heapq.heappop(heap)
-            if node.dead or node.id in gone or remaining[node.id] or node.lock_ref:
+            if node.id in gone or not self._virtual_candidate(node, tier, children):
                 continue
             current = self.policy.priority(node)
             if current != prio:
@@ -505,31 +953,16 @@ class RadixTree:
             parent = node.parent
             assert parent is not None
             if parent is not self.root:
-                remaining[parent.id] -= 1
-                if remaining[parent.id] == 0 and parent.lock_ref == 0:
+                children[parent.id] -= 1
+                if self._virtual_candidate(parent, tier, children):
                     heapq.heappush(heap, (self.policy.priority(parent), parent))
-        self._heap = saved
         return order
 
-    def _remove_leaf(self, node: Node) -> IntArray:
-        self._version += 1
-        parent = node.parent
-        assert parent is not None and not node.children
-        del parent.children[node.first_key]
-        node.dead = True
-        self.policy.on_remove(node)
-        self.num_pages -= node.pages.size
-        self.num_tokens -= node.end - node.start
-        self.num_nodes -= 1
-        if parent is not self.root:
-            self._push_if_evictable(parent)
-        return node.pages
-
-    def _rebuild_heap(self) -> None:
-        self._heap = [
-            (self.policy.priority(n), n) for n in self.nodes() if not n.children and n.lock_ref == 0
-        ]
-        heapq.heapify(self._heap)
+    def _virtual_candidate(self, node: Node, tier: Tier, children: dict[int, int]) -> bool:
+        if node.dead or node.parent is None or node.residency not in _EVICTABLE[tier]:
+            return False
+        ref = node.lock_ref if tier is Tier.L1 else node.host_ref
+        return ref == 0 and children[node.id] == 0
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -543,10 +976,24 @@ class RadixTree:
             stack.extend(reversed(node.children.values()))
         return out
 
+    def stats(self) -> TreeStats:
+        """What the tree's own bookkeeping costs, against the tokens it caches."""
+        size = 0
+        for n in self.nodes():
+            size += sys.getsizeof(n) + sys.getsizeof(n.children)
+            size += n.tokens.nbytes + n.keys.nbytes + n.pages.nbytes + n.host_pages.nbytes
+            size += 4 * _ARRAY_HEADER
+        return TreeStats(self.num_nodes, self.num_tokens, self.num_pages, self.num_host_pages, size)
+
     def digest(self) -> str:
-        """SHA-256 over the tree's full replicated state (structure, pages, locks, clock, stats)."""
+        """SHA-256 over the tree's full replicated state (structure, pages, residency, locks,
+        clock, stats)."""
         h = hashlib.sha256()
-        h.update(np.array([self.clock, self.num_pages, self.num_tokens], dtype=np.int64).tobytes())
+        h.update(
+            np.array(
+                [self.clock, self.num_pages, self.num_host_pages, self.num_tokens], dtype=np.int64
+            ).tobytes()
+        )
         for n in self.nodes():
             assert n.parent is not None
             h.update(
@@ -557,81 +1004,40 @@ class RadixTree:
                         n.start,
                         n.end,
                         n.lock_ref,
+                        n.host_ref,
                         n.last_access,
                         n.hit_count,
                         n.segment,
+                        n.ticket,
+                        list(Residency).index(n.residency),
                     ],
                     dtype=np.int64,
                 ).tobytes()
             )
             h.update(n.pages.tobytes())
+            h.update(n.host_pages.tobytes())
         return h.hexdigest()
 
     def check(self) -> None:
         """Verify every invariant; raise :class:`TreeInvariantError` naming the node otherwise."""
-        P = self.page_size
-        seen_pages: list[IntArray] = []
-        num_pages = num_tokens = 0
-        nodes = self.nodes()
-        for n in nodes:
-            parent = n.parent
+        from .radix_check import check_tree
 
-            def fail(what: str, n: Node = n) -> TreeInvariantError:
-                return TreeInvariantError(f"node {n.id} [{n.start}, {n.end}): {what}")
+        check_tree(self)
 
-            if n.dead:
-                raise fail("a dead node is still linked")
-            if parent is None or parent.children.get(n.first_key) is not n:
-                raise fail("not registered under its parent with its first key")
-            if n.start != parent.end or n.start % P:
-                raise fail(f"starts at {n.start}, parent ends at {parent.end}")
-            if n.end <= n.start:
-                raise fail("is empty")
-            if n.children and n.end % P:
-                raise fail("has children but ends inside a page (valid tail)")
-            if (
-                n.pages.size != page_span(n.end - n.start, P)
-                or n.keys.size != (n.end - n.start) // P
-            ):
-                raise fail(f"holds {n.pages.size} pages and {n.keys.size} keys")
-            if n.num_full != n.keys.size or n.full_key != (n.keys.item(-1) if n.keys.size else -1):
-                raise fail("cached full-page count or last full key is stale")
-            if n.lock_ref < 0:
-                raise fail(f"lock_ref {n.lock_ref} < 0")
-            toks = n.seq[: n.end]
-            if parent is not self.root and not np.array_equal(
-                toks[: n.start], parent.seq[: n.start]
-            ):
-                raise fail("its tokens do not continue its parent's path")
-            ref = self.hasher.key(toks, P)
-            if (
-                not np.array_equal(ref.page_keys[n.start // P :], n.keys)
-                or ref.end_key != n.end_key
-            ):
-                raise fail("stored prefix keys disagree with its tokens")
-            first = ref.end_key if n.end - n.start < P else int(ref.page_keys[n.start // P])
-            if first != n.first_key:
-                raise fail("first key disagrees with its tokens")
-            positions = np.arange(n.start // P, n.start // P + n.pages.size)
-            if np.any(n.pages % self.cp_size != positions % self.cp_size):
-                raise fail("holds a page whose lane is not the owner of its position")
-            seen_pages.append(n.pages)
-            num_pages += n.pages.size
-            num_tokens += n.end - n.start
-        allp = np.concatenate(seen_pages) if seen_pages else _EMPTY_PAGES
-        if np.unique(allp).size != allp.size:
-            raise TreeInvariantError("a page is held by two nodes")
-        if (num_pages, num_tokens, len(nodes)) != (self.num_pages, self.num_tokens, self.num_nodes):
-            raise TreeInvariantError(
-                f"counters {(self.num_pages, self.num_tokens, self.num_nodes)} != "
-                f"actual {(num_pages, num_tokens, len(nodes))}"
-            )
-        queued: dict[int, Priority] = {}
-        for prio, n in self._heap:
-            if n.id not in queued or prio < queued[n.id]:
-                queued[n.id] = prio
-        for n in nodes:
-            if not n.children and n.lock_ref == 0:
-                q = queued.get(n.id)
-                if q is None or q > self.policy.priority(n):
-                    raise TreeInvariantError(f"evictable leaf {n.id} is not queued for eviction")
+
+_ARRAY_HEADER = sys.getsizeof(np.empty(0, dtype=np.int64))
+
+
+def _concat(arrays: list[IntArray]) -> IntArray:
+    if not arrays:
+        return _EMPTY_PAGES
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _path_to(node: Node) -> list[Node]:
+    """``node`` and its ancestors below the root, root side first."""
+    path: list[Node] = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    return path[::-1]

@@ -7,12 +7,21 @@ so memory does not grow with the workload's length), and summarises: hit ratio, 
 prefill throughput, TTFT percentiles, pool usage, and — with ``--verify N`` — how far the cached
 answers are from answers computed without the cache.
 
+Everything that can be checked is checked before anything large is built: the configuration, then
+the workload (a trace that cannot be opened, or has no request, fails before a model loads; a trace
+line longer than the engine can ever serve is refused before its tokens are expanded; a malformed
+line further on stops the replay when it is read, naming ``path:line``), then the memory the pool
+and the weights need against what the device has. A Ctrl-C during the run ends it with the summary of the requests
+finished so far (``interrupted``).
+
 The summary is a :class:`ReplaySummary`; ``to_json()`` is the stable machine-readable form
 (``SUMMARY_SCHEMA`` versions it).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import platform
 import time
 from array import array
@@ -22,18 +31,24 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from . import __version__
 from .compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
+from .config import KVLayout
 from .engine import Engine, EngineConfig, Finished
 from .errors import ConfigError
-from .model.loader import load_model
+from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
+from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
-from .workloads import DEFAULT_VOCAB_SIZE, Request, load_workload
+from .progress import Progress
+from .radix import TreeStats
+from .residency import Tier
+from .workloads import DEFAULT_VOCAB_SIZE, Request, SkippedLine, load_workload
 
 SUMMARY_SCHEMA = 1
-MAX_ERRORS_KEPT = 20  # failed requests whose messages a summary keeps (all are counted)
+#: Failed requests and skipped trace lines a summary lists by message (the counts are complete).
+LISTED_ERRORS = 20
+_MAX_SEED = 2**64 - 1  # torch generators take seeds up to 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -50,11 +65,18 @@ class ReplayConfig:
     verify: int = 0
     on_error: str = "stop"
     seed: int = 0
+    threads: int | None = None  # torch intra-op threads while replaying; None leaves torch's
     lookahead: int | None = None  # requests read ahead of the engine; None: 2 x max_batch_requests
 
     def __post_init__(self) -> None:
-        if self.seed < 0:
-            raise ConfigError(f"--seed must be >= 0, got {self.seed}")
+        if not 0 <= self.seed <= _MAX_SEED:
+            raise ConfigError(f"--seed must lie in [0, 2**64 - 1], got {self.seed}")
+        check_device(self.engine.device)
+        cores = os.cpu_count() or 1
+        if self.threads is not None and not 1 <= self.threads <= cores:
+            raise ConfigError(
+                f"--threads must lie in [1, {cores}] (this machine's CPU cores), got {self.threads}"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.model == "none" and self.dtype is not None:
@@ -77,10 +99,99 @@ class ReplayConfig:
 
 @dataclass
 class VerifyReport:
+    """What ``--verify`` found. ``max_abs_logit_diff`` is over the values finite on both sides;
+    ``nonfinite_logits`` counts NaN/inf values of either side (each one is a failure)."""
+
     requests: int = 0
     max_abs_logit_diff: float | None = None
     argmax_agree: float | None = None
     payload_mismatched_bytes: int | None = None
+    nonfinite_logits: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        """No non-finite logit and no mismatched payload byte. Logit differences are reported,
+        not judged: how large they may be depends on the dtype."""
+        return not self.nonfinite_logits and not self.payload_mismatched_bytes
+
+    def describe(self) -> str:
+        if self.max_abs_logit_diff is None:
+            return f"payload bytes mismatched {self.payload_mismatched_bytes:,}" + (
+                "" if self.ok else " (FAIL)"
+            )
+        text = (
+            f"max |logit diff| {self.max_abs_logit_diff:.3g}, argmax agree {self.argmax_agree:.3f}"
+        )
+        if self.nonfinite_logits:
+            text = (
+                f"FAIL: {self.nonfinite_logits:,} non-finite logit values; {text} (finite values)"
+            )
+        return text
+
+
+@dataclass
+class TierReport:
+    """What the L2 host tier did during a replay (``hit_tokens_by_tier`` and friends)."""
+
+    l2_hit_tokens: int
+    host_pages: int
+    host_pages_cached_end: int
+    d2h_pages: int
+    d2h_bytes: int
+    h2d_pages: int
+    h2d_bytes: int
+    backups_done: int
+    backups_skipped: int
+    backups_failed: int
+    loads: int
+    loads_failed: int
+    load_back_wait_ms: float
+
+    @classmethod
+    def of(cls, engine: Engine) -> TierReport | None:
+        stats, backups, loads = engine.transfer_stats(), engine.backups, engine.loads
+        if stats is None or backups is None or loads is None or engine.host_allocator is None:
+            return None
+        return cls(
+            l2_hit_tokens=engine.hit_tokens[Tier.L2],
+            host_pages=engine.host_allocator.num_pages,
+            host_pages_cached_end=engine.tree.num_host_pages,
+            d2h_pages=stats.d2h_pages,
+            d2h_bytes=stats.d2h_bytes,
+            h2d_pages=stats.h2d_pages,
+            h2d_bytes=stats.h2d_bytes,
+            backups_done=backups.stats.done,
+            backups_skipped=backups.stats.skipped,
+            backups_failed=backups.stats.failed,
+            loads=loads.stats.loads,
+            loads_failed=loads.stats.failed,
+            load_back_wait_ms=round(loads.stats.wait_s * 1e3, 3),
+        )
+
+    def rows(self, cached_tokens: int) -> list[tuple[str, str]]:
+        return [
+            (
+                "hit tokens L1 / L2",
+                f"{cached_tokens - self.l2_hit_tokens:,} / {self.l2_hit_tokens:,}",
+            ),
+            (
+                "host pages (end / total)",
+                f"{self.host_pages_cached_end:,} / {self.host_pages:,}",
+            ),
+            (
+                "moved d2h / h2d",
+                f"{self.d2h_pages:,} pages {self.d2h_bytes / 2**20:,.1f} MiB / "
+                f"{self.h2d_pages:,} pages {self.h2d_bytes / 2**20:,.1f} MiB",
+            ),
+            (
+                "backups done / skipped / failed",
+                f"{self.backups_done:,} / {self.backups_skipped:,} / {self.backups_failed:,}",
+            ),
+            (
+                "load-backs (failed), wait ms",
+                f"{self.loads:,} ({self.loads_failed}), {self.load_back_wait_ms:.1f}",
+            ),
+        ]
 
 
 @dataclass
@@ -98,7 +209,14 @@ class ReplaySummary:
     steps: int
     verify: VerifyReport
     config: dict[str, Any]
-    errors: list[str]
+    errors: list[str]  # the first LISTED_ERRORS failures; ``failed`` counts them all
+    skipped: tuple[SkippedLine, ...] = ()  # the first skipped trace lines; ``num_skipped`` counts
+    num_skipped: int = 0
+    interrupted: bool = False
+    # Requests in the workload when known (generated ones), else those read before it ended.
+    total_requests: int = 0
+    tiers: TierReport | None = None  # what the L2 host tier did (None without one)
+    tree: TreeStats | None = None  # the radix tree's own size at the end
 
     @property
     def hit_ratio(self) -> float:
@@ -113,10 +231,21 @@ class ReplaySummary:
             "schema": SUMMARY_SCHEMA,
             "requests": self.requests,
             "failed": self.failed,
+            "interrupted": self.interrupted,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "hit_ratio": round(self.hit_ratio, 6),
-            "hit_tokens_by_tier": {"l1": self.cached_tokens, "l2": 0, "l3": 0},
+            "hit_tokens_by_tier": {
+                "l1": self.cached_tokens - (self.tiers.l2_hit_tokens if self.tiers else 0),
+                "l2": self.tiers.l2_hit_tokens if self.tiers else 0,
+                "l3": 0,
+            },
+            "tiers": asdict(self.tiers) if self.tiers else None,
+            "tree": (
+                asdict(self.tree) | {"bytes_per_token": round(self.tree.bytes_per_token, 3)}
+                if self.tree
+                else None
+            ),
             "computed_tokens": self.computed_tokens,
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "ttft_ms": self.ttft_ms,
@@ -127,7 +256,7 @@ class ReplaySummary:
                 "pages_used_peak": self.pool_pages_used_peak,
                 "pages_cached_end": self.pool_pages_cached_end,
             },
-            "verify": asdict(self.verify),
+            "verify": asdict(self.verify) | {"ok": self.verify.ok},
             "config": self.config,
             "versions": {
                 "kvstrata": __version__,
@@ -140,6 +269,12 @@ class ReplaySummary:
     def table(self) -> str:
         rows = [
             ("requests", f"{self.requests}" + (f" ({self.failed} failed)" if self.failed else "")),
+        ]
+        if self.interrupted:
+            rows.append(("interrupted", f"after {self.requests} of {self.total_requests} requests"))
+        if self.num_skipped:
+            rows.append(("skipped trace lines", f"{self.num_skipped:,}"))
+        rows += [
             ("prompt tokens", f"{self.prompt_tokens:,}"),
             ("cached tokens", f"{self.cached_tokens:,}"),
             ("hit ratio", f"{self.hit_ratio:.4f}"),
@@ -155,24 +290,31 @@ class ReplaySummary:
             ),
             ("engine steps", f"{self.steps:,}"),
         ]
-        v = self.verify
-        if v.requests:
-            if v.max_abs_logit_diff is not None:
-                rows.append(
-                    (
-                        f"verify ({v.requests} requests)",
-                        f"max |logit diff| {v.max_abs_logit_diff:.3g}, argmax agree {v.argmax_agree:.3f}",
-                    )
+        if self.tree is not None:
+            rows.append(
+                (
+                    "tree nodes / bytes per token",
+                    f"{self.tree.nodes:,} / {self.tree.bytes_per_token:.2f}",
                 )
-            else:
-                rows.append(
-                    (
-                        f"verify ({v.requests} requests)",
-                        f"payload bytes mismatched {v.payload_mismatched_bytes}",
-                    )
-                )
+            )
+        if self.tiers is not None:
+            rows += self.tiers.rows(self.cached_tokens)
+        if self.verify.requests:
+            rows.append((f"verify ({self.verify.requests} requests)", self.verify.describe()))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {val}" for k, val in rows)
+
+    def problems(self) -> list[str]:
+        """The failed requests and skipped trace lines, one line each, cut at
+        :data:`LISTED_ERRORS` of each with a count of the rest."""
+        lines = [f"failed: {error}" for error in self.errors]
+        if self.failed > len(self.errors):
+            lines.append(f"failed: ... and {self.failed - len(self.errors):,} more")
+        listed = self.skipped[:LISTED_ERRORS]
+        lines += [f"skipped: line {s.line_no}: {s.reason}" for s in listed]
+        if self.num_skipped > len(listed):
+            lines.append(f"skipped: ... and {self.num_skipped - len(listed):,} more")
+        return lines
 
 
 def build_compute(cfg: ReplayConfig) -> Compute:
@@ -181,6 +323,60 @@ def build_compute(cfg: ReplayConfig) -> Compute:
         return SyntheticCompute(cfg.kv_width, cfg.vocab_size)
     _, model = load_model(cfg.model, device=cfg.engine.device, dtype=cfg.dtype, seed=cfg.seed)
     return ModelCompute(model, next(model.parameters()).dtype)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the compute will be, known before its weights are loaded."""
+
+    vocab_size: int
+    max_seq_len: int
+    layout: KVLayout
+    weight_bytes: int
+
+
+def _shape(cfg: ReplayConfig, compute: Compute | None) -> _Shape:
+    if compute is None and cfg.model == "none":
+        compute = SyntheticCompute(cfg.kv_width, cfg.vocab_size)  # allocates nothing
+    if compute is not None:
+        return _Shape(compute.vocab_size, compute.max_seq_len, compute.layout, 0)
+    config = read_model_config(cfg.model)  # config.json only: weights come after the checks
+    dtype = resolve_dtype(cfg.dtype, torch.device(cfg.engine.device))
+    return _Shape(
+        vocab_size=config.vocab_size,
+        max_seq_len=config.max_position_embeddings,
+        layout=config.kv_layout(str(dtype).removeprefix("torch.")),
+        weight_bytes=weight_bytes(config, dtype),
+    )
+
+
+def _check_memory(cfg: ReplayConfig, shape: _Shape) -> None:
+    engine = cfg.engine
+    device = torch.device(engine.device)
+    pool_bytes = engine.pool_pages * shape.layout.page_bytes(engine.page_size)
+    allocator_bytes = engine.pool_pages * ALLOCATOR_BYTES_PER_PAGE
+    if device.type == "cpu":
+        parts = [(f"the L1 pool ({engine.pool_pages:,} pages)", pool_bytes + allocator_bytes)]
+    else:
+        check_fits(
+            [("the page allocator", allocator_bytes)], torch.device("cpu"), "lower --l1-tokens"
+        )
+        parts = [(f"the L1 pool ({engine.pool_pages:,} pages)", pool_bytes)]
+    if shape.weight_bytes:
+        parts.append(("the model weights", shape.weight_bytes))
+    check_fits(parts, device, hint="lower --l1-tokens")
+    if engine.has_l2:  # the L2 host pool: pinned CPU memory, plus its allocator
+        page_bytes = shape.layout.page_bytes(engine.page_size)
+        host_pages = (
+            engine.l2_tokens // engine.page_size
+            if engine.l2_tokens
+            else int(engine.l2_gib * 2**30) // page_bytes
+        )
+        host = host_pages * (page_bytes + ALLOCATOR_BYTES_PER_PAGE)
+        cpu_parts = [(f"the L2 host pool ({host_pages:,} pages)", host)]
+        if device.type == "cpu":
+            cpu_parts = parts + cpu_parts
+        check_fits(cpu_parts, torch.device("cpu"), hint="lower --l1-tokens or the L2 size")
 
 
 def _percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -251,13 +447,13 @@ class _Tally:
     cached_tokens: int = 0
     computed_tokens: int = 0
     ttft_s: array[float] = field(default_factory=lambda: array("d"))  # 8 bytes per request
-    errors: list[str] = field(default_factory=list)  # the first MAX_ERRORS_KEPT
+    errors: list[str] = field(default_factory=list)  # the first LISTED_ERRORS
 
     def add(self, f: Finished) -> None:
         self.requests += 1
         if f.error is not None:
             self.failed += 1
-            if len(self.errors) < MAX_ERRORS_KEPT:
+            if len(self.errors) < LISTED_ERRORS:
                 self.errors.append(f.error)
             return
         self.prompt_tokens += f.prompt_len
@@ -273,47 +469,83 @@ def run_replay(
 
     The workload streams: at most ``cfg.lookahead`` requests (default twice
     ``max_batch_requests``) are read ahead of the engine, counting those waiting and running, and
-    a finished request is folded into the summary's aggregates and dropped. Memory therefore
-    holds the cache plus the requests in flight, whatever the workload's length.
+    a finished request is folded into the summary's totals and dropped. Memory therefore holds the
+    cache plus the requests in flight, whatever the workload's length.
+
+    Runs with ``cfg.threads`` torch intra-op threads (restored afterwards). A KeyboardInterrupt
+    while requests run ends the replay early: the summary covers the requests finished so far
+    and says ``interrupted``.
     """
-    compute = compute or build_compute(cfg)
+    threads_before = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, progress, compute)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySummary:
+    shape = _shape(cfg, compute)
+    pool_tokens = cfg.engine.pool_pages * cfg.engine.page_size
     workload = load_workload(
-        cfg.workload, limit=cfg.limit, vocab_size=compute.vocab_size, on_error=cfg.on_error
+        cfg.workload,
+        limit=cfg.limit,
+        vocab_size=shape.vocab_size,
+        on_error=cfg.on_error,
+        max_tokens=min(shape.max_seq_len, pool_tokens),
     )
+    stream = iter(workload)
+    first = next(stream, None)  # an empty (or wholly malformed) workload fails before the model
+    if first is None:
+        skipped = (
+            f" ({workload.num_skipped} malformed lines skipped)" if workload.num_skipped else ""
+        )
+        raise ConfigError(f"workload {cfg.workload!r} has no requests{skipped}")
+    requests: Iterator[Request] | None = itertools.chain([first], stream)
+    _check_memory(cfg, shape)
+    compute = compute or build_compute(cfg)
     engine = Engine(compute, cfg.engine)
     sample = VerifySample(cfg.verify, cfg.seed, engine.keep_logits)
     tally = _Tally()
     lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
-    requests: Iterator[Request] | None = iter(workload)
-    in_flight = 0  # added to the engine and not finished yet
+    read = 0  # requests read from the workload
+    interrupted = False
     seconds = 0.0  # engine time only: reading or generating the workload is not prefill
-    with tqdm(
-        total=workload.num_requests, desc="replay", unit="req", disable=not progress, leave=False
-    ) as bar:
-        while True:
-            while requests is not None and in_flight < lookahead:
-                request = next(requests, None)
-                if request is None:
-                    requests = None
+    try:
+        with Progress("replay", workload.num_requests, enabled=progress) as bar:
+            while True:
+                while requests is not None and read - tally.requests < lookahead:
+                    request = next(requests, None)
+                    if request is None:
+                        requests = None
+                        break
+                    sample.offer(request)
+                    engine.add(request)
+                    read += 1
+                if not engine.has_work():
                     break
-                sample.offer(request)
-                engine.add(request)
-                in_flight += 1
-            if not engine.has_work():
-                break
-            start = time.perf_counter()
-            done = engine.step()
-            seconds += time.perf_counter() - start
-            in_flight -= len(done)
-            for f in done:
-                tally.add(f)
-                sample.collect(f)
-            bar.update(len(done))
-    if not tally.requests:
-        raise ConfigError(f"workload {cfg.workload!r} has no requests")
+                start = time.perf_counter()
+                done = engine.step()
+                seconds += time.perf_counter() - start
+                for f in done:
+                    tally.add(f)
+                    sample.collect(f)
+                bar.update(len(done), sum(f.computed_len for f in done))
+    except KeyboardInterrupt:
+        interrupted = True
+    if not interrupted:
+        start = time.perf_counter()
+        engine.drain()  # settle the copies still in flight, so the tiers report final state
+        seconds += time.perf_counter() - start
 
-    sampled = [f for f in sample.finished.values() if f.error is None]
-    verify = _verify(cfg, compute, sampled, sample.requests, progress)
+    verify = VerifyReport()
+    if not interrupted:
+        sampled = [f for f in sample.finished.values() if f.error is None]
+        try:
+            verify = _verify(cfg, compute, sampled, sample.requests, progress)
+        except KeyboardInterrupt:
+            interrupted = True
     return ReplaySummary(
         requests=tally.requests,
         failed=tally.failed,
@@ -336,6 +568,11 @@ def run_replay(
             "vocab_size": compute.vocab_size,
             "page_size": cfg.engine.page_size,
             "l1_tokens": cfg.engine.pool_tokens,
+            "l2_tokens": cfg.engine.l2_tokens,
+            "l2_gib": cfg.engine.l2_gib,
+            "host_layout": cfg.engine.host_layout if cfg.engine.has_l2 else None,
+            "write_policy": cfg.engine.write_policy if cfg.engine.has_l2 else None,
+            "write_through_hits": cfg.engine.write_through_hits if cfg.engine.has_l2 else None,
             "chunk_size": cfg.engine.chunk_size,
             "max_batch_tokens": cfg.engine.max_batch_tokens,
             "max_batch_requests": cfg.engine.max_batch_requests,
@@ -345,8 +582,15 @@ def run_replay(
             "kv_width": cfg.kv_width if cfg.model == "none" else None,
             "verify": cfg.verify,
             "seed": cfg.seed,
+            "threads": torch.get_num_threads(),
         },
         errors=tally.errors,
+        skipped=tuple(workload.skipped),
+        num_skipped=workload.num_skipped,
+        interrupted=interrupted,
+        total_requests=workload.num_requests or read,
+        tiers=TierReport.of(engine),
+        tree=engine.tree.stats(),
     )
 
 
@@ -355,7 +599,8 @@ def recompute_uncached(compute: Compute, config: EngineConfig, request: Request)
     page size and chunking), sized for that one request."""
     P = config.page_size
     pool_tokens = page_span(request.tokens.size, P) * P
-    solo = Engine(compute, EngineConfig(**{**asdict(config), "pool_tokens": pool_tokens}))
+    fields = {**asdict(config), "pool_tokens": pool_tokens, "l2_tokens": 0, "l2_gib": 0.0}
+    solo = Engine(compute, EngineConfig(**fields))
     solo.keep_logits = {request.rid}
     solo.add(request)
     out: list[Finished] = []
@@ -387,12 +632,30 @@ def _verify(
             mismatched += int((f.payload != expected).sum())
         report.payload_mismatched_bytes = mismatched
         return report
-    max_diff, agree = 0.0, 0
-    for f in tqdm(sampled, desc="verify", unit="req", leave=False, disable=not progress):
-        fresh = recompute_uncached(compute, cfg.engine, requests[f.rid])
-        assert f.logits is not None
-        max_diff = max(max_diff, float((fresh - f.logits).abs().max()))
-        agree += int(int(fresh.argmax()) == int(f.logits.argmax()))
+    max_diff, agree, nonfinite = 0.0, 0, 0
+    with Progress("verify", len(sampled), enabled=progress) as bar:
+        for f in sampled:
+            fresh = recompute_uncached(compute, cfg.engine, requests[f.rid])
+            assert f.logits is not None
+            diff, bad = compare_logits(fresh, f.logits)
+            max_diff = max(max_diff, diff)
+            nonfinite += bad
+            agree += int(not bad and int(fresh.argmax()) == int(f.logits.argmax()))
+            bar.update(1)
     report.max_abs_logit_diff = max_diff
     report.argmax_agree = agree / len(sampled)
+    report.nonfinite_logits = nonfinite
     return report
+
+
+def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """``(largest |a - b| over positions finite on both sides, NaN/inf values in a and b)``.
+
+    A NaN difference is never 0: ``max()`` over floats silently drops NaN, so non-finite values
+    are counted apart and each is a failure for the caller.
+    """
+    finite_a, finite_b = torch.isfinite(a), torch.isfinite(b)
+    nonfinite = int((~finite_a).sum()) + int((~finite_b).sum())
+    both = finite_a & finite_b
+    diff = (a.double() - b.double()).abs()[both]  # float64: finite logits, finite difference
+    return (float(diff.max()) if diff.numel() else 0.0), nonfinite

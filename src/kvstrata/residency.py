@@ -1,4 +1,4 @@
-"""Where a radix node's pages live: one state per node, never a bag of flags (DESIGN.md).
+"""Where a radix node's pages live: one state per node, never a bag of flags (docs/design.md).
 
 Only ``DEVICE`` is used until the host and disk tiers land; the pending states mark a copy in flight,
 which ``match_prefix`` never reports as a hit until the commit frontier covers it.

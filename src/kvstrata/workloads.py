@@ -195,12 +195,19 @@ class _BadLine(Exception):
     """A trace line is malformed; the message says what is wrong (without file and line)."""
 
 
-def _parse_line(line: bytes, block_tokens: int) -> tuple[int, int, list[int]]:
-    """Validate one trace line and return its ``(timestamp, input_length, hash_ids)``."""
+def _parse_line(
+    line: bytes, block_tokens: int, max_tokens: int | None = None
+) -> tuple[int, int, list[int]]:
+    """Validate one trace line and return its ``(timestamp, input_length, hash_ids)``.
+
+    A request longer than ``max_tokens`` is refused here, before its tokens are expanded.
+    """
     try:
         record = json.loads(line)
     except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
         raise _BadLine(f"invalid JSON: {e}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise _BadLine("invalid JSON: nested too deeply") from None
     if not isinstance(record, dict):
         raise _BadLine(f"expected a JSON object, got {type(record).__name__}")
     missing = [name for name in _TRACE_FIELDS if name not in record]
@@ -211,6 +218,12 @@ def _parse_line(line: bytes, block_tokens: int) -> tuple[int, int, list[int]]:
         raise _BadLine(f"timestamp must be an integer >= 0 (ms), got {timestamp!r}")
     if not _is_int(input_length) or input_length < 1:
         raise _BadLine(f"input_length must be an integer >= 1, got {input_length!r}")
+    if max_tokens is not None and input_length > max_tokens:
+        raise _BadLine(
+            f"input_length {input_length:,} exceeds the {max_tokens:,} tokens a request may have "
+            "here (the smaller of the device pool and the model's positions); raise --l1-tokens, "
+            "or leave such lines out with --on-error skip"
+        )
     if not isinstance(hash_ids, list) or not hash_ids:
         raise _BadLine(f"hash_ids must be a non-empty list, got {hash_ids!r}")
     for i, h in enumerate(hash_ids):
@@ -231,6 +244,7 @@ def load_mooncake(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     on_error: str = "stop",
+    max_tokens: int | None = None,
     block_cache_blocks: int = BLOCK_CACHE_BLOCKS,
 ) -> Workload:
     """A Mooncake JSONL trace as a streamed workload (see the module docstring for how hash ids
@@ -241,11 +255,14 @@ def load_mooncake(
     ignored. A malformed line raises :class:`WorkloadError` naming ``path:line`` and what is wrong
     when the iteration reaches it (``on_error="stop"``); with ``on_error="skip"`` it is left out
     and counted in :attr:`Workload.num_skipped`. Request ids stay dense (0, 1, 2, ...) either way.
+    A line longer than ``max_tokens`` is malformed too, refused before its tokens take any memory.
     A file that cannot be opened raises here, before any iteration.
     """
     _check_load_args(limit, vocab_size, on_error)
     _check_positive("block_tokens", block_tokens)
     _check_positive("block_cache_blocks", block_cache_blocks)
+    if max_tokens is not None:
+        _check_positive("max_tokens", max_tokens)
     path = Path(path)
     _open_trace(path).close()
 
@@ -257,7 +274,7 @@ def load_mooncake(
                 if not line.strip():
                     continue
                 try:
-                    timestamp, input_length, hash_ids = _parse_line(line, block_tokens)
+                    timestamp, input_length, hash_ids = _parse_line(line, block_tokens, max_tokens)
                 except _BadLine as e:
                     if on_error == "stop":
                         raise WorkloadError(f"{path}:{line_no}: {e}") from None
@@ -380,12 +397,14 @@ def load_workload(
     limit: int | None = None,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     on_error: str = "stop",
+    max_tokens: int | None = None,
 ) -> Workload:
     """Resolve a workload spec: ``builtin``, ``synthetic[:SEED[:N]]``, ``agentic[:SEED[:N]]`` or a
     path to a ``.jsonl`` trace, as a streamed :class:`Workload`.
 
-    ``limit`` caps the number of requests (the first ``limit`` of the workload); ``on_error``
-    applies to traces (see :func:`load_mooncake`). An unknown spec raises :class:`WorkloadError`.
+    ``limit`` caps the number of requests (the first ``limit`` of the workload); ``on_error`` and
+    ``max_tokens`` apply to traces (see :func:`load_mooncake`). An unknown spec raises
+    :class:`WorkloadError`.
     """
     _check_load_args(limit, vocab_size, on_error)
     if spec == "builtin":
@@ -402,7 +421,9 @@ def load_workload(
         n = n if limit is None else min(n, limit)
         return Workload(spec, lambda _: agentic(seed, n, vocab_size), num_requests=n)
     if spec.endswith(".jsonl"):
-        return load_mooncake(spec, limit=limit, vocab_size=vocab_size, on_error=on_error)
+        return load_mooncake(
+            spec, limit=limit, vocab_size=vocab_size, on_error=on_error, max_tokens=max_tokens
+        )
     raise WorkloadError(
         f"unknown workload {spec!r}: expected builtin, synthetic[:SEED[:N]], agentic[:SEED[:N]], "
         "or a path to a Mooncake .jsonl trace"

@@ -12,6 +12,7 @@ last line.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import statistics
@@ -20,11 +21,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-import transformers
 
+from ..command import CommandParser, run_command
+from ..errors import ConfigError, ModelError
+from ..limits import check_device, check_fits
 from ..model import PRESETS, ForwardBatch, LlamaModel, ModelConfig, convert_hf_state
+from ..model.loader import weight_bytes
 from ..ownership import page_span
 from ..pool import DevicePool
+
+PROG = "kvstrata bench prefill"
+#: More timed or warm-up runs than this is a typo, not a measurement (the median settles long before).
+_MAX_RUNS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +52,8 @@ def build_models(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int
 ) -> tuple[LlamaModel, torch.nn.Module]:
     """A transformers model with seeded random weights, and ours holding the same weights."""
+    import transformers
+
     hf_dict = config.to_hf()
     hf_config = transformers.AutoConfig.for_model(
         hf_dict.pop("model_type"), **{k: v for k, v in hf_dict.items() if k != "architectures"}
@@ -55,7 +65,7 @@ def build_models(
         )
     hf_model.eval().requires_grad_(False)
     if "logits_to_keep" not in inspect.signature(hf_model.forward).parameters:
-        raise SystemExit(
+        raise ModelError(
             f"transformers {transformers.__version__} has no logits_to_keep; "
             "this benchmark needs transformers >= 4.50"
         )
@@ -139,11 +149,9 @@ _DEFAULTS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark for command-line arguments ``argv``; returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="kvstrata bench prefill", description=__doc__.split("\n\n")[0]
-    )
+def build_parser() -> CommandParser:
+    """The benchmark's flags."""
+    parser = CommandParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--preset", choices=sorted(PRESETS), help="default: small on CPU, llama-3.2-1b on CUDA"
@@ -163,11 +171,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="timed runs; the median is reported")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    preset, dtype, lengths = _DEFAULTS[torch.device(args.device).type]
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Fill in the per-device defaults and refuse values the benchmark cannot run with, before
+    any model is built."""
+    if importlib.util.find_spec("transformers") is None:
+        raise ModelError("bench prefill needs transformers: pip install 'kvstrata[hf]'")
+    device = check_device(args.device)
+    preset, dtype, lengths = _DEFAULTS[device.type]
     args.preset = args.preset or preset
     args.dtype = args.dtype or dtype
     args.lengths = args.lengths or lengths
+    config = PRESETS[args.preset]
+    if not 1 <= min(args.lengths) <= max(args.lengths) <= config.max_position_embeddings:
+        raise ConfigError(
+            f"--lengths must lie in [1, {config.max_position_embeddings:,}] (the positions of "
+            f"{args.preset}), got {args.lengths}"
+        )
+    if args.page_size < 1:
+        raise ConfigError(f"--page-size must be >= 1, got {args.page_size}")
+    if not 1 <= args.repeats <= _MAX_RUNS or not 0 <= args.warmup <= _MAX_RUNS:
+        raise ConfigError(
+            f"--repeats must lie in [1, {_MAX_RUNS:,}] and --warmup in [0, {_MAX_RUNS:,}], got "
+            f"{args.repeats} and {args.warmup}"
+        )
+    if not 0 <= args.seed < 2**64:
+        raise ConfigError(f"--seed must lie in [0, 2**64), got {args.seed}")
+    copy = weight_bytes(config, getattr(torch, args.dtype))
+    pool = page_span(max(args.lengths), args.page_size) * config.kv_layout(args.dtype).page_bytes(
+        args.page_size
+    )
+    check_fits(
+        [("two copies of the weights", 2 * copy), ("the pool", pool)],
+        device,
+        hint="use a smaller --preset or shorter --lengths",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark for command-line arguments ``argv``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    import transformers
 
     results = run(args)
     print(f"preset {args.preset}, {args.device}, {args.dtype}, median of {args.repeats}")
@@ -185,11 +232,16 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": transformers.__version__,
         "repeats": args.repeats,
         "results": [asdict(r) | {"ratio": r.ratio} for r in results],
-        "min_ratio": min(r.ratio for r in results),
+        "min_ratio": min((r.ratio for r in results), default=None),
     }
     print(json.dumps(summary))
     return 0
 
 
+def run_main(argv: list[str] | None = None) -> int:
+    """:func:`main` with kvstrata's one-line errors and exit codes (``kvstrata bench prefill``)."""
+    return run_command(PROG, lambda: main(argv))
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main())

@@ -20,15 +20,26 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from .. import synthetic
 from ..allocator import PageAllocator
+from ..command import CommandParser, run_command
 from ..config import CacheConfig, PoolConfig
+from ..errors import ConfigError
+from ..limits import ALLOCATOR_BYTES_PER_PAGE, check_fits
 from ..ownership import page_span
 from ..radix import RadixTree
 
+PROG = "kvstrata bench radix"
+#: What the generator's requests cost while they are built: about 6,700 tokens per request on
+#: average (seed 0, 2,000 requests), about 15 bytes per token in its Python lists (measured with
+#: ru_maxrss) plus 4 in the uint32 arrays.
+_TOKENS_PER_REQUEST = 6_721
+_BYTES_PER_TOKEN = 20
+
 #: The workload's own no-eviction references for seed 0 and 2,000 requests (from
-#: ``python workload.py --seed 0 --reference P``); ``--recompute-reference`` recomputes them.
+#: ``python -m kvstrata.synthetic --seed 0 --reference P``); ``--recompute-reference`` recomputes them.
 KNOWN_REFERENCES = {
     (0, 2000): {1: "fcd11de4dbecc7ff", 16: "ba3b32e878c369f4", 64: "c9ce49f1968ab200"}
 }
@@ -66,7 +77,7 @@ def replay(
     else:
         budget_pages = budget_tokens // P
     pool_pages = budget_pages + page_span(longest, P) + 1
-    tree = RadixTree(CacheConfig(page_size=P, eviction=eviction), capacity_pages=budget_pages)
+    tree = RadixTree(CacheConfig(page_size=P, eviction=eviction), capacity_pages=pool_pages)
     alloc = PageAllocator(PoolConfig(num_pages=pool_pages))
     low_pages = int(budget_pages * 0.9)
     matched: list[int] = []
@@ -82,7 +93,7 @@ def replay(
         cached_pages = hit.valid_len // P
         new_pages = alloc.alloc(cached_pages, page_span(tokens.size, P) - cached_pages)
         assert new_pages is not None, "pool sized to hold the budget plus one request"
-        result = tree.insert(key, np.concatenate((hit.device_pages, new_pages)), hit.valid_len)
+        result = tree.insert(key, np.concatenate((hit.device_pages, new_pages)))
         alloc.free(result.free_pages)
         if tree.num_pages > budget_pages:
             nodes_before = tree.num_nodes
@@ -111,9 +122,10 @@ def replay(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="kvstrata bench radix",
+def build_parser() -> CommandParser:
+    """The benchmark's flags."""
+    ap = CommandParser(
+        prog=PROG,
         description="Radix prefix-tree benchmark on the shared synthetic workload: match -> insert "
         "-> evict when over budget. Prints a table, then one JSON line.",
     )
@@ -135,8 +147,43 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="recompute the no-eviction reference checksums from the workload (slow)",
     )
-    args = ap.parse_args(argv)
+    return ap
 
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flag values the benchmark cannot run with, before it generates anything."""
+    if not 0 <= args.seed < 2**64:
+        raise ConfigError(f"--seed must lie in [0, 2**64), got {args.seed}")
+    if args.requests < 1:
+        raise ConfigError(f"--requests must be >= 1, got {args.requests}")
+    if min(args.page_sizes) < 1:
+        raise ConfigError(f"--page-sizes must all be >= 1, got {args.page_sizes}")
+    if args.budget < max(args.page_sizes):
+        raise ConfigError(
+            f"--budget ({args.budget} tokens) must hold at least one page of every page size "
+            f"(the largest is {max(args.page_sizes)})"
+        )
+    check_fits(
+        [
+            (
+                f"{args.requests:,} generated requests",
+                args.requests * _TOKENS_PER_REQUEST * _BYTES_PER_TOKEN,
+            ),
+            (
+                # The larger of the two replays' pools, at the smallest page size.
+                "the page allocator",
+                max(args.budget, args.requests * _TOKENS_PER_REQUEST)
+                // min(args.page_sizes)
+                * ALLOCATOR_BYTES_PER_PAGE,
+            ),
+        ],
+        torch.device("cpu"),
+        hint="lower --requests or --budget",
+    )
+
+
+def run(args: argparse.Namespace) -> list[tuple[int, str, RunStats, RunStats]]:
+    """``(page size, reference checksum, no-eviction run, eviction run)`` per page size."""
     raw = synthetic.generate(args.seed, args.requests)
     requests = [np.array(r, dtype=np.uint32) for r in raw]
     known = KNOWN_REFERENCES.get((args.seed, args.requests), {})
@@ -155,7 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         noevict = replay(requests, P, None, args.eviction)
         evict = replay(requests, P, args.budget, args.eviction)
         rows.append((P, refs[P], noevict, evict))
+    return rows
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark for command-line arguments ``argv``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    rows = run(args)
     header = (
         f"{'page':>5} {'req/s':>9} {'match us':>9} {'insert us':>10} {'evicted nodes':>14} "
         f"{'evicted pages':>14} {'checksum (evict)':>17} {'no-evict checksum':>18} {'reference':>17}"
@@ -170,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{ne.checksum:>18} {ref:>14} {ok}"
         )
     summary = {
-        "benchmark": "radix",
+        "bench": "radix",
         "seed": args.seed,
         "requests": args.requests,
         "budget_tokens": args.budget,
@@ -197,5 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(ne.checksum == ref for _, ref, ne, _ in rows) else 1
 
 
+def run_main(argv: list[str] | None = None) -> int:
+    """:func:`main` with kvstrata's one-line errors and exit codes (``kvstrata bench radix``)."""
+    return run_command(PROG, lambda: main(argv))
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main())

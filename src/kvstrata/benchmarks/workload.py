@@ -14,7 +14,6 @@ found by binary search.
 
 from __future__ import annotations
 
-import argparse
 import json
 from array import array
 from collections.abc import Iterable
@@ -22,8 +21,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..command import CommandParser, HelpFormatter, run_command
+from ..errors import ConfigError
 from ..keys import PrefixHasher
 from ..workloads import DEFAULT_VOCAB_SIZE, Request, load_workload
+
+PROG = "kvstrata bench workload"
 
 
 @dataclass(frozen=True)
@@ -86,12 +89,13 @@ def describe(requests: Iterable[Request], page_size: int = 16) -> WorkloadStats:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvstrata bench workload",
+def build_parser() -> CommandParser:
+    """The benchmark's flags."""
+    parser = CommandParser(
+        prog=PROG,
         description="Statistics of workloads: requests, prompt tokens per request, unique tokens "
-        "and the ideal (unbounded-cache) hit ratio.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "and the ideal (unbounded-cache) hit ratio. Prints a table, then one JSON line.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--trace",
@@ -102,10 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--limit", type=int, default=None, help="only the first N requests")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument(
+        "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="token ids are taken modulo"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.page_size < 1:
-        parser.error(f"--page-size must be >= 1, got {args.page_size}")
+        raise ConfigError(f"--page-size must be >= 1, got {args.page_size}")
     results = []
     for spec in args.trace:
         workload = load_workload(spec, limit=args.limit, vocab_size=args.vocab_size)
@@ -127,5 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_main(argv: list[str] | None = None) -> int:
+    """:func:`main` with kvstrata's one-line errors and exit codes (``kvstrata bench workload``)."""
+    return run_command(PROG, lambda: main(argv))
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main())

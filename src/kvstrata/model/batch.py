@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +32,15 @@ from ..errors import ConfigError, RequestError
 from ..ownership import page_span
 
 PageTable = torch.Tensor | npt.NDArray[np.integer] | Sequence[int]
+
+
+class LayerHooks(Protocol):
+    """Called by a forward around each layer: the tier movers' way in (load-back waits for a
+    layer's copy before it reads the pool; write-through copies a layer out once it is written)."""
+
+    def before_layer(self, layer: int) -> None: ...
+
+    def after_layer(self, layer: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

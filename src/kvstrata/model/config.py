@@ -9,9 +9,10 @@ here, by name, instead of being ignored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..config import KVLayout, PayloadSpec
 from ..errors import CheckpointError, ConfigError, UnsupportedArchitectureError
@@ -137,9 +138,14 @@ class ModelConfig:
         """Map a Hugging Face ``config.json`` (transformers 4.x or 5.x spelling) to a config.
 
         Raises :class:`UnsupportedArchitectureError` for an architecture or option kvstrata does not
-        implement and :class:`CheckpointError` for a config that lacks a required field.
+        implement, :class:`CheckpointError` for a field that is missing or of the wrong type, and
+        :class:`ConfigError` for fields that describe no valid model.
         """
-        declared = list(hf.get("architectures") or [])
+        declared = hf.get("architectures") or []
+        if not isinstance(declared, list) or not all(isinstance(a, str) for a in declared):
+            raise CheckpointError(
+                f"config.json: architectures must be a list of names, got {declared!r}"
+            )
         known = [HF_ARCHITECTURES[a] for a in declared if a in HF_ARCHITECTURES]
         if not known:
             raise UnsupportedArchitectureError(
@@ -147,33 +153,27 @@ class ModelConfig:
                 f"{', '.join(HF_ARCHITECTURES)}"
             )
         architecture = known[0]
-
-        def required(key: str) -> Any:
-            if key not in hf:
-                raise CheckpointError(
-                    f"config.json lacks {key!r}, which a {architecture} model needs"
-                )
-            return hf[key]
-
+        fields = _HFFields(hf, architecture)
         _refuse_unsupported_options(hf, architecture)
-        num_heads = required("num_attention_heads")
+        num_heads = fields.integer("num_attention_heads")
+        hidden_size = fields.integer("hidden_size")
         rope_theta, rope_scaling = _rope_from_hf(hf)
         return cls(
             architecture=architecture,
-            vocab_size=required("vocab_size"),
-            hidden_size=required("hidden_size"),
-            intermediate_size=required("intermediate_size"),
-            num_layers=required("num_hidden_layers"),
+            vocab_size=fields.integer("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=fields.integer("intermediate_size"),
+            num_layers=fields.integer("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or required("hidden_size") // num_heads,
+            num_kv_heads=fields.integer("num_key_value_heads", num_heads),
+            head_dim=fields.integer("head_dim", hidden_size // num_heads),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rms_norm_eps=fields.number("rms_norm_eps", 1e-6),
+            tie_word_embeddings=fields.flag("tie_word_embeddings", False),
             qkv_bias=architecture == "qwen2",
             qk_norm=architecture == "qwen3",
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=fields.integer("max_position_embeddings", 2048),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -219,6 +219,51 @@ class ModelConfig:
         return hf
 
 
+_REQUIRED = object()
+
+
+class _HFFields:
+    """Typed reads of ``config.json`` fields: a value of the wrong type is a
+    :class:`CheckpointError` naming the field, never a ``TypeError`` deep in the model (and
+    ``"false"`` is not true). A field set to null counts as absent, as transformers reads it."""
+
+    def __init__(self, hf: Mapping[str, Any], architecture: str) -> None:
+        self.hf = hf
+        self.architecture = architecture
+
+    def _get(self, key: str, default: object) -> object:
+        value = self.hf.get(key)
+        if value is not None:
+            return value
+        if default is _REQUIRED:
+            raise CheckpointError(
+                f"config.json lacks {key!r}, which a {self.architecture} model needs"
+            )
+        return default
+
+    def integer(self, key: str, default: object = _REQUIRED) -> int:
+        value = self._get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CheckpointError(f"config.json: {key} must be an integer >= 1, got {value!r}")
+        return value
+
+    def number(self, key: str, default: object = _REQUIRED) -> float:
+        value = self._get(key, default)
+        if not _is_number(value) or not 0 < value < math.inf:
+            raise CheckpointError(f"config.json: {key} must be a finite number > 0, got {value!r}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise CheckpointError(f"config.json: {key} must be true or false, got {value!r}")
+        return value
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _refuse_unsupported_options(hf: Mapping[str, Any], architecture: str) -> None:
     """Raise for ``config.json`` options that would silently change the model if ignored."""
     act = hf.get("hidden_act", "silu")
@@ -242,25 +287,29 @@ def _refuse_unsupported_options(hf: Mapping[str, Any], architecture: str) -> Non
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (5.x) or ``rope_theta``/``rope_scaling`` (4.x)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(
+            f"config.json: rope_parameters / rope_scaling must be an object, got {params!r}"
+        )
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if not _is_number(theta) or not 0 < theta < math.inf:
+        raise CheckpointError(f"config.json: rope_theta must be a finite number > 0, got {theta!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        return theta, None
+        return float(theta), None
     if rope_type != "llama3":
         raise UnsupportedArchitectureError(
             f"rope_type {rope_type!r} is not supported; kvstrata implements default and llama3 RoPE"
         )
-    try:
-        scaling = RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    except KeyError as err:
-        raise CheckpointError(f"llama3 rope scaling in config.json lacks {err.args[0]!r}") from None
-    return theta, scaling
+    fields = _HFFields(params, "llama3 rope scaling")
+    scaling = RopeScaling(
+        factor=fields.number("factor"),
+        low_freq_factor=fields.number("low_freq_factor"),
+        high_freq_factor=fields.number("high_freq_factor"),
+        original_max_position_embeddings=fields.integer("original_max_position_embeddings"),
+    )
+    return float(theta), scaling
 
 
 # Small enough for unit tests on one CPU core; the Qwen variants differ only where the

@@ -27,7 +27,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import ConfigError, RequestError
 from ..pool import DevicePool, torch_dtype
-from .batch import ForwardBatch
+from .batch import ForwardBatch, LayerHooks
 from .config import ModelConfig
 
 LogitsMode = Literal["last", "all"]
@@ -230,8 +230,11 @@ class LlamaModel(nn.Module):
         batch: ForwardBatch,
         pool: DevicePool,
         logits: LogitsMode = "last",
+        hooks: LayerHooks | None = None,
     ) -> torch.Tensor:
         """Run the packed extend tokens ``input_ids`` ``[T]`` and write their K/V into ``pool``.
+
+        ``hooks`` see each layer before it reads the pool and after it wrote its K/V there.
 
         Returns logits in the model's dtype: ``[num_requests, vocab]`` for each request's last token
         with ``logits="last"`` (the output projection runs on those rows only), or ``[T, vocab]``
@@ -242,8 +245,12 @@ class LlamaModel(nn.Module):
         self._check_inputs(input_ids, batch, pool)
         x = self.embed_tokens(input_ids)
         cos, sin = self._rope_tables(batch.positions, x.dtype)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if hooks is not None:
+                hooks.before_layer(i)
             x = layer(x, cos, sin, batch, pool)
+            if hooks is not None:
+                hooks.after_layer(i)
         if logits == "last":
             x = x[batch.last_index]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -11,13 +11,14 @@ the same device.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, ModelError
 from .config import PRESETS, ModelConfig
 from .llama import LlamaModel
 
@@ -44,20 +45,38 @@ def load_model(
     implement, and :class:`ConfigError` for an unknown preset or dtype.
     """
     device = torch.device(device)
-    dtype = _resolve_dtype(dtype, device)
-    path = Path(path_or_preset)
-    if path.exists():
-        config, hf_state = read_checkpoint(path, device, dtype)
+    dtype = resolve_dtype(dtype, device)
+    if _is_checkpoint(path_or_preset):
+        config, hf_state = read_checkpoint(Path(path_or_preset), device, dtype)
         state = convert_hf_state(config, hf_state)
-    elif str(path_or_preset) in PRESETS:
-        config = PRESETS[str(path_or_preset)]
-        state = random_state(config, device, dtype, seed)
     else:
-        raise ConfigError(
-            f"{str(path_or_preset)!r} is neither a checkpoint directory nor a preset; "
-            f"presets: {', '.join(PRESETS)}"
-        )
+        config = read_model_config(path_or_preset)
+        state = random_state(config, device, dtype, seed)
     return config, LlamaModel.from_state_dict(config, state)
+
+
+def read_model_config(path_or_preset: str | os.PathLike[str]) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint directory (its ``config.json`` only, no weights)
+    or of a preset: what a caller needs to size pools and workloads before loading weights."""
+    if _is_checkpoint(path_or_preset):
+        return _read_config(Path(path_or_preset))
+    if str(path_or_preset) in PRESETS:
+        return PRESETS[str(path_or_preset)]
+    raise ConfigError(
+        f"{str(path_or_preset)!r} is neither a checkpoint directory nor a preset; "
+        f"presets: {', '.join(PRESETS)}"
+    )
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes the weights of ``config`` take in ``dtype``."""
+    numel = sum(math.prod(shape) for shape in hf_weight_shapes(config).values())
+    return numel * dtype.itemsize
+
+
+def _is_checkpoint(path_or_preset: str | os.PathLike[str]) -> bool:
+    # An empty string is Path("."), which exists: never take the working directory by accident.
+    return str(path_or_preset) != "" and Path(path_or_preset).exists()
 
 
 def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -122,22 +141,7 @@ def read_checkpoint(
             "reading checkpoints needs safetensors: pip install 'kvstrata[hf]'"
         ) from None
 
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory} is not a directory; pass a checkpoint directory")
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(
-            f"{directory} has no config.json; pass a Hugging Face checkpoint directory "
-            "(config.json + *.safetensors)"
-        )
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read {config_path}: {err}") from err
-    if not isinstance(hf_config, dict):
-        raise CheckpointError(f"{config_path} must hold a JSON object")
-    config = ModelConfig.from_hf(hf_config)
-
+    config = _read_config(directory)
     expected = hf_weight_shapes(config)
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
@@ -178,6 +182,35 @@ def read_checkpoint(
     return config, state
 
 
+def _read_config(directory: Path) -> ModelConfig:
+    """The model ``directory/config.json`` describes; any defect is a :class:`ModelError` naming
+    the file."""
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory; pass a checkpoint directory")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"{directory} has no config.json; pass a Hugging Face checkpoint directory "
+            "(config.json + *.safetensors)"
+        )
+    hf_config = _read_json(config_path)
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{config_path} must hold a JSON object")
+    try:
+        return ModelConfig.from_hf(hf_config)
+    except ModelError as err:
+        raise type(err)(f"{config_path}: {err}") from None
+    except ConfigError as err:  # the fields have the right types but describe no valid model
+        raise CheckpointError(f"{config_path}: {err}") from None
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or bad UTF-8
+        raise CheckpointError(f"cannot read {path}: {err}") from None
+
+
 def random_state(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int
 ) -> dict[str, torch.Tensor]:
@@ -202,13 +235,18 @@ def _weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the shards of its index, or ``model.safetensors``."""
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
             raise CheckpointError(
-                f"{index_path} is not a safetensors index (needs a 'weight_map'): {err!r}"
-            ) from err
-        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+                f"{index_path} is not a safetensors index: it needs a 'weight_map' object "
+                "mapping weight names to shard file names"
+            )
+        files = [
+            directory / _confined(name, index_path) for name in dict.fromkeys(weight_map.values())
+        ]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise CheckpointError(
@@ -224,7 +262,30 @@ def _weight_files(directory: Path) -> list[Path]:
     )
 
 
-def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+def _confined(name: str, index_path: Path) -> str:
+    """``name`` if it names a file inside the checkpoint directory, else :class:`CheckpointError`.
+
+    Checked on the name, not on the resolved path: a Hugging Face cache links its shards to blobs
+    elsewhere, which is the owner's choice; an index pointing outside is not.
+    """
+    posix, windows = PurePosixPath(name), PureWindowsPath(name)
+    if (
+        not name
+        or posix.is_absolute()
+        or windows.is_absolute()
+        or windows.drive
+        or ".." in posix.parts
+        or ".." in windows.parts
+    ):
+        raise CheckpointError(
+            f"{index_path.name} names shard {name!r}, which is not a file inside the checkpoint "
+            "directory; shard names must be relative paths without '..'"
+        )
+    return name
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """``dtype`` as a torch dtype; None means float32 on CPU and bfloat16 on CUDA."""
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):

@@ -24,6 +24,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from ..command import EXIT_USAGE, CommandParser, HelpFormatter, run_command
+from ..errors import ConfigError
+
+PROG = "kvstrata bench memory"
+
 _STREAM = (
     "import sys\n"
     "from kvstrata.workloads import load_workload\n"
@@ -63,7 +68,8 @@ _LAUNCHER = (
 
 def run_child(argv: list[str]) -> tuple[float, float, str]:
     """Run ``argv``; return its own peak RSS (MiB), wall seconds and output (stdout and stderr).
-    Raises ``RuntimeError`` with the output's tail when it fails."""
+    A child that refuses its input (exit 2) raises :class:`ConfigError` with its error line; any
+    other failure raises ``RuntimeError`` with the output's tail."""
     with tempfile.TemporaryDirectory() as tmp:
         rss_file = os.path.join(tmp, "maxrss")
         start = time.perf_counter()
@@ -75,6 +81,8 @@ def run_child(argv: list[str]) -> tuple[float, float, str]:
             errors="replace",
         )
         wall = time.perf_counter() - start
+        if proc.returncode == EXIT_USAGE:  # the child refused its input: pass its one line on
+            raise ConfigError(proc.stdout.strip().splitlines()[-1])
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-2000:]}")
         with open(rss_file) as f:
@@ -106,12 +114,14 @@ def measure(spec: str, n: int, replay_args: list[str]) -> list[ChildRun]:
     return runs
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvstrata bench memory",
+def build_parser() -> CommandParser:
+    """The benchmark's flags."""
+    parser = CommandParser(
+        prog=PROG,
         description="Peak RSS of `kvstrata replay --model none --trace agentic:SEED:N` and of "
-        "the workload streamed alone, at several N: neither may grow with N beyond the cache.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "the workload streamed alone, at several N: neither may grow with N beyond the cache. "
+        "Prints a table, then one JSON line.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--sizes",
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[5_000, 10_000, 20_000],
         help="workload sizes N (the default cache fills up between the first two)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the agentic workload's seed")
     parser.add_argument(
         "--l1-tokens",
         type=int,
@@ -134,7 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="anything else for kvstrata replay (everything after this flag)",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if min(args.sizes) < 1 or args.seed < 0:
+        raise ConfigError(f"--sizes must be >= 1 and --seed >= 0, got {args.sizes}, {args.seed}")
     replay_args = [
         "--l1-tokens",
         str(args.l1_tokens),
@@ -159,9 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.wall_s:>8.1f} {r.requests_per_s:>8.1f} {hit:>9} {cache:>24}"
         )
     rows = [{**asdict(r), "requests_per_s": round(r.requests_per_s, 2)} for r in runs]
-    print(json.dumps({"bench": "replay_memory", "replay_args": replay_args, "runs": rows}))
+    print(json.dumps({"bench": "memory", "replay_args": replay_args, "runs": rows}))
     return 0
 
 
+def run_main(argv: list[str] | None = None) -> int:
+    """:func:`main` with kvstrata's one-line errors and exit codes (``kvstrata bench memory``)."""
+    return run_command(PROG, lambda: main(argv))
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main())

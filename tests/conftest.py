@@ -1,0 +1,45 @@
+"""Fixtures shared by several test modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata.check_model import _write_preset_checkpoint
+from kvstrata.model.config import PRESETS
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One intra-op thread, as `kvstrata replay` defaults to: the tests' ops are small, and with
+    # torch's default of one thread per core a test runs 4-20x slower as soon as another process
+    # uses a core (docs/benchmarks.md, "CPU threads"), e.g. 7 s -> 27 s or 155 s for the engine's
+    # 200-request logits test on the shared 2-core machine.
+    torch.set_num_threads(1)
+
+
+#: The weight a poisoned checkpoint carries a NaN in (every forward reads it).
+POISONED_WEIGHT = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``tiny`` preset saved as a Hugging Face checkpoint (config.json + model.safetensors)."""
+    path = tmp_path_factory.mktemp("tiny") / "checkpoint"
+    _write_preset_checkpoint(PRESETS["tiny"], path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def nan_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``tiny_checkpoint`` with one NaN in :data:`POISONED_WEIGHT`."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("nan") / "checkpoint"
+    path.mkdir()
+    (path / "config.json").write_bytes((tiny_checkpoint / "config.json").read_bytes())
+    tensors = load_file(tiny_checkpoint / "model.safetensors")
+    tensors[POISONED_WEIGHT][0, 0] = torch.nan
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path

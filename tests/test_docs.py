@@ -1,0 +1,56 @@
+"""The repository is self-contained: what the docs and docstrings cite exists, and the README's
+flags are real."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+from pathlib import Path
+
+from kvstrata.cli import BENCHMARKS, build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "src").rglob("*.py")),
+    *sorted((ROOT / "scripts").glob("*")),
+]
+# A repository file named by its path (docs/x.md, scripts/x.sh, src/..., tests/...), which must
+# exist as written, or a document named bare ("design.md", "DESIGN.md"), which must be one of the
+# repository's documents whatever its case.
+PATH = re.compile(r"(?<![\w./-])((?:docs|scripts|src|tests)/[\w./-]+\.\w+)")
+BARE = re.compile(r"(?<![\w./-])([\w-]+\.md)\b")
+DOCUMENTS = {p.name.lower() for p in [*ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md")]}
+
+
+def test_cited_files_exist() -> None:
+    paths = [(path, m) for path in TEXTS for m in PATH.findall(path.read_text())]
+    bare = [(path, m) for path in TEXTS for m in BARE.findall(path.read_text())]
+    assert any(name == "docs/design.md" for _, name in paths)
+    missing = [(str(p.relative_to(ROOT)), name) for p, name in paths if not (ROOT / name).exists()]
+    missing += [
+        (str(p.relative_to(ROOT)), name) for p, name in bare if name.lower() not in DOCUMENTS
+    ]
+    assert not missing
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    found: set[str] = set()
+    for action in parser._actions:
+        found |= set(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _options(sub)
+    return found
+
+
+def test_readme_flags_exist() -> None:
+    known = _options(build_parser())
+    for name in BENCHMARKS:
+        known |= _options(importlib.import_module(f"kvstrata.benchmarks.{name}").build_parser())
+    readme = (ROOT / "README.md").read_text()
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", readme))
+    assert {"--threads", "--version", "--fail-on-error"} <= flags
+    assert flags <= known, flags - known
