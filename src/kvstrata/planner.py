@@ -103,8 +103,13 @@ def evict(tree: RadixTree, tier: Tier, deficit: int | IntArray) -> IntArray:
             passed.append((prio, node))
             continue
         got = lane_counts(first + node.span - count, count, lanes)
-        freed.append(tree.trim(node, tier, count))
+        whole = count == node.span
+        freed.append(tree.trim(node, tier, count, requeue=False))
         need = [max(n - g, 0) for n, g in zip(need, got, strict=True)]
+        if not whole and tree.is_candidate(node, tier):
+            # It gave every short lane all it had (or enough): nothing more for this plan, but it
+            # stays a candidate for the next one.
+            passed.append((prio, node))
     for item in passed:
         heapq.heappush(heap, item)
     tree.compact_heaps()

@@ -837,21 +837,22 @@ class RadixTree:
         self._check_new_pages(Tier.L1, device_pages)
         self._set_device(node, device_pages.copy())
 
-    def trim(self, node: Node, tier: Tier, count: int) -> IntArray:
+    def trim(self, node: Node, tier: Tier, count: int, requeue: bool = True) -> IntArray:
         """Release the last ``count`` pages of ``node`` from ``tier`` and return them.
 
         ``node`` must be an eviction candidate of ``tier`` (:meth:`is_candidate`). Where the node
         has no other copy, its tail is cut off (all of it: the node goes); where it has one, the
-        tail part keeps only that copy (a split first if only part of the node goes).
+        tail part keeps only that copy (a split first if only part of the node goes). A node
+        cut short is queued again unless ``requeue`` is False (the planner queues it itself).
         """
         assert self.is_candidate(node, tier) and 0 < count <= node.span, (node, tier, count)
         if node.residency is not Residency.DEVICE_HOST:  # the only copy: cut the tail off
-            return self._cut_tail(node, tier, count)
+            return self._cut_tail(node, tier, count, requeue)
         if count < node.span:
             self._split(node, (node.start // self.page_size + node.span - count) * self.page_size)
         return self._drop_device(node) if tier is Tier.L1 else self._drop_host(node)
 
-    def _cut_tail(self, node: Node, tier: Tier, count: int) -> IntArray:
+    def _cut_tail(self, node: Node, tier: Tier, count: int, requeue: bool = True) -> IntArray:
         """Remove the last ``count`` pages of a leaf that holds them in ``tier`` only."""
         self._version += 1
         pages = node.pages if tier is Tier.L1 else node.host_pages
@@ -886,7 +887,8 @@ class RadixTree:
             node.pages = node.pages[:keep].copy()
         else:
             node.host_pages = node.host_pages[:keep].copy()
-        self._refresh(node)
+        if requeue:
+            self._refresh(node)
         return freed
 
     def _set_device(self, node: Node, pages: IntArray) -> None:
