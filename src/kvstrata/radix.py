@@ -45,7 +45,7 @@ import numpy.typing as npt
 
 from .allocator import PageAllocator
 from .config import CacheConfig
-from .errors import ConfigError, TreeUsageError
+from .errors import ConfigError, TreeUsageError, UnknownPageError
 from .eviction import PROBATION, EvictionPolicy, Priority, make_policy
 from .keys import PrefixHasher, TokenKey
 from .ownership import page_span
@@ -455,10 +455,13 @@ class RadixTree:
                 "keep the matched node locked between match_prefix and insert"
             )
         c = cached_len // P
-        if c and not self.holds(pages[:c]).all():
+        # The tree neither stores nor frees the cached pages, so a wrong one cannot corrupt it;
+        # checking the last catches a cached_len that does not fit the pages, in O(1).
+        if c and self._page_at(path, c - 1) != int(pages[c - 1]):
             raise TreeUsageError(
                 f"pages[:{c}] (cached_len {cached_len}) must be the tree's own pages, as "
-                "match_prefix returned them"
+                f"match_prefix returned them; page {c - 1} is {int(pages[c - 1])}, the tree's "
+                f"is {self._page_at(path, c - 1)}"
             )
         node = path[-1] if path else self.root
         kept, prefix_len = m, m * P  # pages [0, kept) are covered by the tree
@@ -519,6 +522,15 @@ class RadixTree:
         seq_pages[c:kept][replaced] = tree_pages[replaced]
         return InsertResult(prefix_len, free_pages, node, seq_pages)
 
+    def _page_at(self, path: list[Node], position: int) -> int:
+        """The device page ``path`` holds at page ``position`` (_NO_PAGE if host-only)."""
+        P = self.page_size
+        for node in reversed(path):
+            start = node.start // P
+            if start <= position:
+                return int(node.pages[position - start]) if node.pages.size else _NO_PAGE
+        return _NO_PAGE
+
     def _covered_pages(
         self, path: list[Node], tail_owner: Node | None, first: int, kept: int
     ) -> IntArray:
@@ -547,14 +559,21 @@ class RadixTree:
         or (with an allocator) free."""
         if fresh.size == 0:
             return
-        lo, hi = int(fresh.min()), int(fresh.max())
         allocator = self._allocators[tier]
-        bound = allocator.num_pages if allocator is not None else None
-        if lo < 0 or (bound is not None and hi >= bound):
-            raise TreeUsageError(
-                f"{tier.name} page {lo if lo < 0 else hi} is outside [0, {bound or 'inf'})"
-            )
-        held = self._held_upto(tier, hi)
+        if allocator is not None:
+            try:
+                free = allocator.is_free(fresh)  # range-checks the ids too
+            except UnknownPageError as err:
+                raise TreeUsageError(f"{tier.name} {err}") from None
+            if free.any():
+                bad = int(fresh[np.flatnonzero(free)[0]])
+                raise TreeUsageError(f"{tier.name} page {bad} was never allocated (it is free)")
+            held = self._held[tier]
+        else:
+            lo, hi = int(fresh.min()), int(fresh.max())
+            if lo < 0:
+                raise TreeUsageError(f"{tier.name} page {lo} is negative")
+            held = self._held_upto(tier, hi)
         if held[fresh].any():
             bad = int(fresh[np.flatnonzero(held[fresh])[0]])
             raise TreeUsageError(
@@ -571,9 +590,6 @@ class RadixTree:
                 raise TreeUsageError(
                     f"{tier.name} pages listed twice in one call: {fresh.tolist()}"
                 )
-        if allocator is not None and allocator.is_free(fresh).any():
-            bad = int(fresh[np.flatnonzero(allocator.is_free(fresh))[0]])
-            raise TreeUsageError(f"{tier.name} page {bad} was never allocated (it is free)")
 
     def holds(self, pages: IntArray, tier: Tier = Tier.L1) -> npt.NDArray[np.bool_]:
         """Which of ``pages`` the tree holds in ``tier`` (ids out of range: not held)."""
@@ -845,7 +861,7 @@ class RadixTree:
         tail part keeps only that copy (a split first if only part of the node goes). A node
         cut short is queued again unless ``requeue`` is False (the planner queues it itself).
         """
-        assert self.is_candidate(node, tier) and 0 < count <= node.span, (node, tier, count)
+        assert 0 < count <= node.span, (node, count)  # a candidate: the caller checked
         if node.residency is not Residency.DEVICE_HOST:  # the only copy: cut the tail off
             return self._cut_tail(node, tier, count, requeue)
         if count < node.span:
