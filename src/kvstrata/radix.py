@@ -299,12 +299,14 @@ class RadixTree:
         key = self.key(tokens)
         path, m = self._descend(key)
         P = self.page_size
-        if max_len is not None and m * P > max_len:
-            m = max(max_len, 0) // P
+        capped = max_len is not None and m * P > max_len
+        if capped:
+            m = max(max_len or 0, 0) // P
             path = [n for n in path if n.start < m * P]
         if path and path[-1].end > m * P:
             path = [*path[:-1], self._split(path[-1], m * P)]
-            self._memo = (key, self._version, path, m)  # still the walk an insert would do
+            if not capped:  # a capped walk is not the one an insert of this key would do
+                self._memo = (key, self._version, path, m)
         if record:
             self._record(path)
         if not path:
@@ -492,6 +494,11 @@ class RadixTree:
         attaching = bool(tree_pages.size) and bool((tree_pages == _NO_PAGE).any())
         self._check_new_pages(Tier.L1, pages[c:])
 
+        last_partial = bool(path) and path[-1].end > m * P and tail_owner is not path[-1]
+        if last_partial:
+            # Split where the sequence ends inside a node, so the access below refreshes only
+            # its own pages (and a host-only node gets device pages only where the caller has).
+            path = [*path[:-1], self._split(path[-1], m * P)]
         self.clock += 1
         for p in path:
             p.last_access = self.clock
@@ -499,10 +506,6 @@ class RadixTree:
         if tail_owner is not None and tail_owner is not node:
             tail_owner.last_access = self.clock
             self._notify_access([tail_owner], hit=False)
-        last_partial = bool(path) and path[-1].end > m * P and tail_owner is not path[-1]
-        if split_leaf or (last_partial and attaching):
-            # A host-only node gets device pages only where the caller has them: split first.
-            path = [*path[:-1], self._split(path[-1], m * P)]
         if attaching:
             self._attach_along(path, tail_owner, pages)
         if split_leaf:
