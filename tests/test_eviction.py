@@ -51,7 +51,7 @@ def serve(
     start = cached // P
     fresh = alloc.alloc(start, page_span(n, P) - start)
     assert fresh is not None
-    result = tree.insert(key, np.concatenate([match.device_pages[:start], fresh]))
+    result = tree.insert(key, np.concatenate([match.device_pages[:start], fresh]), cached)
     alloc.free(result.free_pages)
     tree.unlock(match.last_node)
     return match
@@ -310,7 +310,7 @@ def test_slru_overflow_demotes_the_least_recently_used_protected_node() -> None:
     for seq in ([1, 2], [3], [4]):
         pages = alloc.alloc(0, len(seq))
         assert pages is not None
-        tree.insert(seq, pages)
+        tree.insert(seq, pages, 0)
     nodes = {}
     for seq in ([1, 2], [3], [4]):
         tree.match_prefix(seq)
@@ -389,7 +389,7 @@ def test_slru_lazy_heap_is_compacted_without_changing_segments() -> None:
     for seq in seqs:
         pages = alloc.alloc(0, len(seq))
         assert pages is not None
-        tree.insert(seq, pages)
+        tree.insert(seq, pages, 0)
     model.sync_structure(tree)
     # Only matches from here on, so every access goes through the policy.
     for step in range(1200):

@@ -34,7 +34,9 @@ def build(seed: int, cp_size: int, page_size: int) -> tuple[RadixTree, PageAlloc
         start = hit.valid_len // page_size
         fresh = alloc.alloc(start, page_span(tokens.size, page_size) - start)
         assert fresh is not None
-        alloc.free(tree.insert(key, np.concatenate([hit.device_pages, fresh])).free_pages)
+        alloc.free(
+            tree.insert(key, np.concatenate([hit.device_pages, fresh]), hit.valid_len).free_pages
+        )
         if rng.random() < 0.15:
             node = tree.match_prefix(tokens[: rng.integers(1, tokens.size + 1)]).last_node
             tree.lock(node)
@@ -158,7 +160,7 @@ def test_a_trim_frees_at_most_the_deficit_plus_one_page_per_lane(
     alloc = PageAllocator(PoolConfig(256, cp_size))
     fresh = alloc.alloc(0, leaf_pages)
     assert fresh is not None
-    tree.insert(np.arange(leaf_pages), fresh)
+    tree.insert(np.arange(leaf_pages), fresh, 0)
     need = np.bincount(owners(start, k, cp_size), minlength=cp_size)
     freed = tree.evict(need)
     per_lane = np.bincount(freed % cp_size, minlength=cp_size)
@@ -187,7 +189,7 @@ def test_a_victim_without_short_lane_pages_is_passed_over() -> None:
     for tokens in ([1, 2], [5, 6, 7, 8]):  # [1, 2] holds lanes 0-1 only; it is the LRU leaf
         fresh = alloc.alloc(0, len(tokens))
         assert fresh is not None
-        tree.insert(tokens, fresh)
+        tree.insert(tokens, fresh, 0)
     old = tree.match_prefix([1, 2]).last_node
     freed = tree.evict(np.array([0, 0, 0, 1]))  # only lane 3 is short
     assert freed.size == 1 and int(freed[0]) % cp == 3

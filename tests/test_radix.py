@@ -79,7 +79,7 @@ def serve(tree: RadixTree, alloc: PageAllocator, tokens: object) -> MatchResult 
         fresh = alloc_evicting(tree, alloc, start, page_span(n, P) - start)
         if fresh is None:
             return None
-        result = tree.insert(key, np.concatenate([match.device_pages[:start], fresh]))
+        result = tree.insert(key, np.concatenate([match.device_pages[:start], fresh]), cached)
         alloc.free(result.free_pages)
     finally:
         tree.unlock(match.last_node)
@@ -263,7 +263,7 @@ def run_random_ops(
                 head = match.device_pages[:start] if match is not None else fresh[:0]
                 pages = np.concatenate([head, fresh])
                 expected_prefix = model.prefix_len(seq)
-                result: InsertResult = tree.insert(key, pages)
+                result: InsertResult = tree.insert(key, pages, cached)
                 dupes = model.insert(seq, pages, cached)
                 assert result.free_pages.tolist() == dupes
                 assert result.prefix_len == expected_prefix
@@ -355,7 +355,7 @@ def test_match_inside_a_partial_page_is_floored() -> None:
     seq = list(range(10, 17))  # 7 tokens: one whole page and a 3-token valid tail
     pages = alloc.alloc(0, 2)
     assert pages is not None
-    tree.insert(seq, pages)
+    tree.insert(seq, pages, 0)
     tree.check()
     for query, expected in [(seq, 4), (seq[:6], 4), (seq[:5], 4), (seq[:4], 4), (seq[:3], 0)]:
         result = tree.match_prefix(query)
@@ -372,13 +372,13 @@ def test_a_valid_tail_is_never_extended(page_size: int) -> None:
     short = list(range(1, P + 2))  # one whole page + a 1-token tail
     short_pages = alloc.alloc(0, 2)
     assert short_pages is not None
-    tree.insert(short, short_pages)
+    tree.insert(short, short_pages, 0)
     longer = [*short, *range(50, 50 + 2 * P)]  # shares the tail's tokens, then continues
     match = tree.match_prefix(longer)
     assert match.valid_len == P
     fresh = alloc.alloc(1, page_span(len(longer), P) - 1)
     assert fresh is not None
-    result = tree.insert(longer, np.concatenate([match.device_pages, fresh]))
+    result = tree.insert(longer, np.concatenate([match.device_pages, fresh]), P)
     assert result.free_pages.size == 0
     tree.check()
     # The short sequence's tail page is untouched and now sits beside the longer sequence.
@@ -404,13 +404,13 @@ def test_sequence_ending_inside_a_cached_page_is_a_sibling(page_size: int) -> No
     long_seq = list(range(3 * P))
     pages = alloc.alloc(0, 3)
     assert pages is not None
-    tree.insert(long_seq, pages)
+    tree.insert(long_seq, pages, 0)
     short = long_seq[: P + 1]
     match = tree.match_prefix(short)
     assert match.valid_len == P
     tail = alloc.alloc(1, 1)
     assert tail is not None
-    result = tree.insert(short, np.concatenate([match.device_pages, tail]))
+    result = tree.insert(short, np.concatenate([match.device_pages, tail]), P)
     assert result.free_pages.size == 0 and result.prefix_len == P
     tree.check()
     assert tree.num_pages == 4
@@ -444,17 +444,17 @@ def test_duplicate_tail_is_freed_whether_inside_a_node_or_a_lone_leaf() -> None:
     seq = [1, 2, 3, 4, 5, 6]  # page + 2-token tail: tail lives inside the same node
     first = alloc.alloc(0, 2)
     assert first is not None
-    tree.insert(seq, first)
+    tree.insert(seq, first, 0)
     lone = [9, 9]  # a sequence shorter than a page: a lone valid-tail leaf under the root
     lone_page = alloc.alloc(0, 1)
     assert lone_page is not None
-    tree.insert(lone, lone_page)
+    tree.insert(lone, lone_page, 0)
     for query, expected_pages in [(seq, 2), (lone, 1)]:
         match = tree.match_prefix(query)
         start = match.valid_len // P
         fresh = alloc.alloc(start, expected_pages - start)
         assert fresh is not None
-        result = tree.insert(query, np.concatenate([match.device_pages, fresh]))
+        result = tree.insert(query, np.concatenate([match.device_pages, fresh]), match.valid_len)
         assert result.prefix_len == len(query)
         assert result.free_pages.tolist() == fresh.tolist()
         alloc.free(result.free_pages)
@@ -500,7 +500,7 @@ def test_a_lock_pins_only_the_matched_pages() -> None:
     seq = [1, 1, 2, 2, 3, 3, 4]  # three whole pages and a valid tail, inserted as one node
     pages = alloc.alloc(0, 4)
     assert pages is not None
-    tree.insert(seq, pages)
+    tree.insert(seq, pages, 0)
     assert tree.num_nodes == 1
     match = tree.match_prefix([1, 1, 2, 2, 9, 9])  # ends inside the node, after two pages
     assert match.valid_len == 4
@@ -542,7 +542,7 @@ def test_bad_tokens_are_typed_errors(tokens: object) -> None:
     with pytest.raises(InvalidTokensError):
         tree.match_prefix(tokens)
     with pytest.raises(InvalidTokensError):
-        tree.insert(tokens, np.zeros(1, dtype=np.int64))
+        tree.insert(tokens, np.zeros(1, dtype=np.int64), 0)
 
 
 def test_bad_tree_arguments() -> None:
@@ -561,67 +561,88 @@ def test_bad_insert_arguments_leave_the_tree_unchanged() -> None:
     snapshot = tree.digest()
     for bad_pages in (pages[:2], np.concatenate([pages, pages[:1]]), pages.reshape(1, 3)):
         with pytest.raises(ConfigError, match="needs 3 integer pages"):
-            tree.insert(seq, bad_pages)
+            tree.insert(seq, bad_pages, 0)
     assert tree.digest() == snapshot
     tree.check()
 
 
-def test_insert_after_a_match_never_returns_the_trees_own_pages() -> None:
-    """Old main returned the matched pages as duplicates when the caller left cached_len at 0;
-    freeing them handed cached pages out again. The tree now recognises its own pages."""
+def test_cached_len_is_validated() -> None:
+    tree, alloc = make(4)
+    seq = list(range(10))  # 3 pages in its padded span
+    pages = alloc.alloc(0, 3)
+    assert pages is not None
+    snapshot = tree.digest()
+    for bad in (2, 12, -4, 1.5, True):
+        with pytest.raises(ConfigError, match="page-aligned"):
+            tree.insert(seq, pages, bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="exceeds"):
+        tree.insert(seq, pages, 4)  # nothing is cached yet
+    assert tree.digest() == snapshot
+    tree.check()
+
+
+def test_insert_never_hands_back_the_trees_own_pages() -> None:
+    """Old main returned the matched pages as free_pages when the caller left cached_len at its
+    default 0; freeing them handed cached pages out again. cached_len is now required, and the
+    tree's own pages passed as fresh ones are refused."""
     tree, alloc = make(4, num_pages=16, allocator=True)
     first = alloc.alloc(0, 2)
     assert first is not None
-    tree.insert(list(range(8)), first)
+    tree.insert(list(range(8)), first, 0)
     match = tree.match_prefix(list(range(12)))
     assert match.valid_len == 8
     fresh = alloc.alloc(2, 1)
     assert fresh is not None
-    result = tree.insert(list(range(12)), np.concatenate([match.device_pages, fresh]))
-    assert result.free_pages.size == 0
-    assert tree.num_pages == 3
-    alloc.free(result.free_pages)
+    pages = np.concatenate([match.device_pages, fresh])
+    snapshot = tree.digest()
+    with pytest.raises(TreeUsageError, match="already held"):
+        tree.insert(list(range(12)), pages, 0)
+    assert tree.digest() == snapshot
+    result = tree.insert(list(range(12)), pages, 8)
+    assert result.free_pages.size == 0 and tree.num_pages == 3
     tree.check()
 
 
 @given(data=st.data())
 @settings(max_examples=80, deadline=None)
 def test_insert_refuses_pages_that_would_corrupt_the_tree(data: st.DataObject) -> None:
-    """Pages the tree holds at other positions, pages listed twice, pages never allocated and
-    page ids out of range raise TreeUsageError at the call, and the tree is unchanged."""
+    """Pages the tree holds passed as fresh, fresh pages passed as cached, pages listed twice,
+    pages never allocated and page ids out of range raise TreeUsageError at the call, and the
+    tree is unchanged."""
     P = 2
     tree, alloc = make(P, num_pages=32, allocator=True)
     for seq in ([1, 1, 2, 2, 3], [1, 1, 4, 4], [7, 7, 7]):
         assert serve(tree, alloc, seq) is not None
     seq = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=8), label="seq")
     n_pages = page_span(len(seq), P)
+    match = tree.match_prefix(seq)
+    cached = min(match.valid_len, (len(seq) - 1) // P * P)
+    c = cached // P
     held = sorted({p for n in tree.nodes() for p in n.pages.tolist()})
     free = np.flatnonzero(alloc.is_free(np.arange(32))).tolist()
-    used_fresh = alloc.alloc(0, min(n_pages, alloc.num_free))
-    assert used_fresh is not None
-    kind = data.draw(st.sampled_from(["held", "twice", "free", "range"]), label="kind")
-    pages = np.array([int(used_fresh[i]) if i < used_fresh.size else 31 for i in range(n_pages)])
-    i = data.draw(st.integers(0, n_pages - 1), label="position")
+    fresh = alloc.alloc(c, n_pages - c)
+    assert fresh is not None
+    pages = np.concatenate([match.device_pages[:c], fresh])
+    kinds = ["held", "twice", "free", "range"] + (["cached"] if c else [])
+    kind = data.draw(st.sampled_from(kinds), label="kind")
+    i = data.draw(st.integers(c, n_pages - 1), label="fresh position")
     if kind == "held":
-        match = tree.match_prefix(seq)
-        own = match.device_pages.tolist()
-        candidates = [p for j, p in enumerate(held) if j >= len(own) or p != own[j]]
-        pages[i] = data.draw(st.sampled_from(candidates))
-        if i < len(own) and pages[i] == own[i]:
-            return  # that is the tree's own page at its own position: legal
+        pages[i] = data.draw(st.sampled_from(held))
     elif kind == "twice":
-        if n_pages < 2:
+        if n_pages - c < 2:
             return
-        j = data.draw(st.integers(0, n_pages - 1).filter(lambda j: j != i), label="other")
+        j = data.draw(st.integers(c, n_pages - 1).filter(lambda j: j != i), label="other")
         pages[j] = pages[i]
     elif kind == "free":
         still_free = [p for p in free if alloc.is_free(np.array([p]))[0]]
         pages[i] = data.draw(st.sampled_from(still_free))
-    else:
+    elif kind == "range":
         pages[i] = data.draw(st.sampled_from([-1, 32, 10**6]))
+    else:  # a fresh page where the caller claims the tree's own
+        pages[data.draw(st.integers(0, c - 1), label="cached position")] = fresh[-1]
     snapshot = tree.digest()
     with pytest.raises(TreeUsageError):
-        tree.insert(seq, pages)
+        tree.insert(seq, pages, cached)
     assert tree.digest() == snapshot
     tree.check()
 
@@ -680,7 +701,7 @@ def test_collision_inside_a_node_falls_back_to_exact_tokens() -> None:
     pages = alloc.alloc(0, 4)
     assert pages is not None
     model.insert(stored, pages, 0)
-    tree.insert(stored, pages)
+    tree.insert(stored, pages, 0)
     # Keys say the whole node matches (equal sums at length 4); the tokens agree only on 2.
     query = [1, 2, 4, 3]
     assert tree.hash_collisions == 0
@@ -690,7 +711,7 @@ def test_collision_inside_a_node_falls_back_to_exact_tokens() -> None:
     fresh = alloc.alloc(2, 2)
     assert fresh is not None
     full = np.concatenate([match.device_pages, fresh])
-    result = tree.insert(query, full)
+    result = tree.insert(query, full, 2)
     assert result.free_pages.tolist() == model.insert(query, full, 2) == []
     assert_consistent(tree, alloc, model)
     checked_match(tree, model, stored)
@@ -703,14 +724,14 @@ def test_colliding_sibling_pages_are_dropped_not_confused() -> None:
     first = [1, 2, 5, 5]
     pages = alloc.alloc(0, 2)
     assert pages is not None
-    tree.insert(first, pages)
+    tree.insert(first, pages, 0)
     other = [2, 1, 5, 5]  # every page key equals `first`'s
     match = tree.match_prefix(other)
     assert match.valid_len == 0 and match.device_pages.size == 0
     assert tree.hash_collisions >= 1
     fresh = alloc.alloc(0, 2)
     assert fresh is not None
-    result = tree.insert(other, fresh)
+    result = tree.insert(other, fresh, 0)
     # The tree cannot hold both under one key: it keeps the first and hands the new pages back.
     assert result.free_pages.tolist() == fresh.tolist()
     alloc.free(result.free_pages)
@@ -728,12 +749,12 @@ def test_collision_at_a_split_keeps_both_halves() -> None:
     pages = alloc.alloc(0, 2)
     assert pages is not None
     model.insert(stored, pages, 0)
-    tree.insert(stored, pages)
+    tree.insert(stored, pages, 0)
     query = [1, 2, 4, 3]  # its second page key equals `stored`'s second page key
     # No match first (a caller that recomputes everything, cached_len 0): insert itself splits.
     fresh = alloc.alloc(0, 2)
     assert fresh is not None
-    result = tree.insert(query, fresh)
+    result = tree.insert(query, fresh, 0)
     dupes = model.insert(query, fresh, 0)
     assert result.free_pages.tolist()[:1] == dupes[:1] == [int(fresh[0])]
     alloc.free(result.free_pages)
@@ -812,7 +833,7 @@ _DIGEST_SCRIPT = textwrap.dedent(
             freed = tree.evict(int(alloc.deficit(owners(s, k, CP)).sum()))
             assert freed.size
             alloc.free(freed)
-        res = tree.insert(key, np.concatenate([m.device_pages[:s], fresh]))
+        res = tree.insert(key, np.concatenate([m.device_pages[:s], fresh]), cached)
         alloc.free(res.free_pages)
         tree.unlock(m.last_node)
     tree.check()

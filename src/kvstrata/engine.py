@@ -583,7 +583,7 @@ class Engine:
             return
         key = run.key.prefix(upto)
         span = page_span(upto, P)
-        result = self.tree.insert(key, run.pages[:span])
+        result = self.tree.insert(key, run.pages[:span], run.inserted_len)
         run.pages[:span] = result.pages  # the tree's own pages where it had them
         if result.free_pages.size:
             still_read = np.isin(result.free_pages, result.pages)

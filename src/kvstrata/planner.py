@@ -97,14 +97,24 @@ def evict(tree: RadixTree, tier: Tier, deficit: int | IntArray) -> IntArray:
         if current != prio:  # accessed since it was queued: its priority only grew
             heapq.heappush(heap, (current, node))
             continue
-        first = node.start // P
-        count = trim_count(first, node.span, need)
-        if count == 0:
+        span = node.span
+        if lanes == 1:  # one lane (or a plain page count): the tail, as far as needed
+            count = min(need[0], span)
+            need[0] -= count
+        else:
+            first = node.start // P
+            count = trim_count(first, span, need)
+            if count == 0:
+                passed.append((prio, node))
+                continue
+            got = lane_counts(first + span - count, count, lanes)
+            need = [max(n - g, 0) for n, g in zip(need, got, strict=True)]
+        whole = count == span
+        freed.append(tree.trim(node, tier, count, requeue=False))
+        if not whole and tree.is_candidate(node, tier):
+            # It gave every short lane all it had (or enough): nothing more for this plan, but it
+            # stays a candidate for the next one.
             passed.append((prio, node))
-            continue
-        got = lane_counts(first + node.span - count, count, lanes)
-        freed.append(tree.trim(node, tier, count))
-        need = [max(n - g, 0) for n, g in zip(need, got, strict=True)]
     for item in passed:
         heapq.heappush(heap, item)
     tree.compact_heaps()

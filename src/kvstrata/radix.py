@@ -45,7 +45,7 @@ import numpy.typing as npt
 
 from .allocator import PageAllocator
 from .config import CacheConfig
-from .errors import ConfigError, TreeUsageError
+from .errors import ConfigError, TreeUsageError, UnknownPageError
 from .eviction import PROBATION, EvictionPolicy, Priority, make_policy
 from .keys import PrefixHasher, TokenKey
 from .ownership import page_span
@@ -265,6 +265,7 @@ class RadixTree:
         }
         self._stamp = {t: np.zeros(m.size, dtype=np.int64) for t, m in self._held.items()}
         self._allocators = {Tier.L1: allocator, Tier.L2: host_allocator}
+        self._order = np.arange(1024, dtype=np.int64)  # scratch for the listed-twice check
         self._pending: dict[int, list[Node]] = {}  # backup ticket -> nodes it covers
         self._version = 0  # bumped by every structural change (new leaf, split, trim, removal)
         self._memo: tuple[TokenKey, int, list[Node], int] | None = None
@@ -298,12 +299,14 @@ class RadixTree:
         key = self.key(tokens)
         path, m = self._descend(key)
         P = self.page_size
-        if max_len is not None and m * P > max_len:
-            m = max(max_len, 0) // P
+        capped = max_len is not None and m * P > max_len
+        if capped:
+            m = max(max_len or 0, 0) // P
             path = [n for n in path if n.start < m * P]
         if path and path[-1].end > m * P:
             path = [*path[:-1], self._split(path[-1], m * P)]
-            self._memo = (key, self._version, path, m)  # still the walk an insert would do
+            if not capped:  # a capped walk is not the one an insert of this key would do
+                self._memo = (key, self._version, path, m)
         if record:
             self._record(path)
         if not path:
@@ -355,9 +358,9 @@ class RadixTree:
 
     @staticmethod
     def _confirm(key: TokenKey, path: list[Node], length: int) -> bool:
-        """Whether the tokens of ``path`` equal ``key``'s first ``length`` tokens (one memcmp)."""
+        """Whether the tokens of ``path`` equal ``key``'s first ``length`` tokens."""
         tokens = path[0].tokens if len(path) == 1 else np.concatenate([n.tokens for n in path])
-        return key.same_tokens(0, tokens[:length])
+        return bool(np.array_equal(key.tokens[:length], tokens[:length]))
 
     def _descend_by_keys(self, key: TokenKey) -> tuple[list[Node], int]:
         keys, nf, P = key.page_keys, key.num_full_pages, self.page_size
@@ -413,17 +416,19 @@ class RadixTree:
 
     # -- insert ----------------------------------------------------------------------------------
 
-    def insert(self, tokens: TokenKey | object, pages: IntArray) -> InsertResult:
+    def insert(self, tokens: TokenKey | object, pages: IntArray, cached_len: int) -> InsertResult:
         """Insert a whole sequence whose KV sits in the device ``pages`` (one per page of its
         padded span).
 
-        Where the tree already covers a position, a page equal to the tree's own is simply the
-        tree's (the caller got it from ``match_prefix`` and kept it locked); any other page there
-        is a duplicate, returned in ``free_pages`` for the caller to free. Positions the tree holds
-        only on the host take the caller's device pages (a device copy for them). The rest form a
-        new leaf. Pages the tree already holds elsewhere, pages listed twice, page ids out of
-        range, and (with an allocator) pages that are not allocated raise
-        :class:`~kvstrata.errors.TreeUsageError` before anything changes.
+        ``pages[:cached_len // page_size]`` are the tree's own pages, which the caller got from
+        ``match_prefix`` and kept locked (``cached_len`` is page aligned); the rest are the
+        caller's own fresh pages. Where the tree already covers a fresh page's position (another
+        request inserted it meanwhile, or a duplicate valid tail), the fresh page is a duplicate,
+        returned in ``free_pages``; where the tree holds the position only on the host, the
+        fresh page becomes its device copy; the rest form a new leaf. Cached pages the tree does
+        not hold, fresh pages it does hold, pages listed twice, ids out of range and (with an
+        allocator) pages that were never allocated raise :class:`~kvstrata.errors.TreeUsageError`
+        before anything changes.
         """
         key = self.key(tokens)
         P, n = self.page_size, len(key)
@@ -434,8 +439,32 @@ class RadixTree:
                 f"insert of {n} tokens needs {num_pages} integer pages (page_size {P}), got "
                 f"{pages.dtype} of shape {pages.shape}"
             )
+        if (
+            isinstance(cached_len, bool)
+            or not isinstance(cached_len, (int, np.integer))
+            or not 0 <= cached_len <= n
+            or cached_len % P
+        ):
+            raise ConfigError(
+                f"cached_len must be a page-aligned length <= {n}, got {cached_len!r} "
+                f"(page_size {P})"
+            )
         pages = pages.astype(np.int64, copy=False)
         path, m = self._descend(key)
+        if cached_len > m * P:
+            raise ConfigError(
+                f"cached_len {cached_len} exceeds the {m * P} tokens the tree holds for this key; "
+                "keep the matched node locked between match_prefix and insert"
+            )
+        c = cached_len // P
+        # The tree neither stores nor frees the cached pages, so a wrong one cannot corrupt it;
+        # checking the last catches a cached_len that does not fit the pages, in O(1).
+        if c and self._page_at(path, c - 1) != int(pages[c - 1]):
+            raise TreeUsageError(
+                f"pages[:{c}] (cached_len {cached_len}) must be the tree's own pages, as "
+                f"match_prefix returned them; page {c - 1} is {int(pages[c - 1])}, the tree's "
+                f"is {self._page_at(path, c - 1)}"
+            )
         node = path[-1] if path else self.root
         kept, prefix_len = m, m * P  # pages [0, kept) are covered by the tree
         tail_owner: Node | None = None  # the node holding an identical valid tail
@@ -459,18 +488,17 @@ class RadixTree:
                 else:
                     self.hash_collisions += 1  # a different page under an equal key: keep none
                     kept = num_pages
+        # What the tree holds where fresh pages land inside the covered part [c, kept): usually
+        # nothing (c == kept), else another request's pages (duplicates) or host-only positions.
+        tree_pages = self._covered_pages(path, tail_owner, c, kept)
+        attaching = bool(tree_pages.size) and bool((tree_pages == _NO_PAGE).any())
+        self._check_new_pages(Tier.L1, pages[c:])
 
-        # What the tree holds at each covered position, to tell its own pages from duplicates.
-        covered = [n.pages if n.pages.size else np.full(n.span, _NO_PAGE) for n in path]
-        if tail_owner is not None and tail_owner is not node:
-            covered.append(tail_owner.pages if tail_owner.pages.size else np.array([_NO_PAGE]))
-        tree_pages = _concat(covered)[:kept]
-        if tree_pages.size < kept:  # a collision: the tree holds other tokens there
-            tree_pages = np.concatenate([tree_pages, np.full(kept - tree_pages.size, _FOREIGN)])
-        own = tree_pages == pages[:kept]
-        attach = tree_pages == _NO_PAGE
-        self._check_new_pages(Tier.L1, np.concatenate([pages[:kept][~own], pages[kept:]]))
-
+        last_partial = bool(path) and path[-1].end > m * P and tail_owner is not path[-1]
+        if last_partial:
+            # Split where the sequence ends inside a node, so the access below refreshes only
+            # its own pages (and a host-only node gets device pages only where the caller has).
+            path = [*path[:-1], self._split(path[-1], m * P)]
         self.clock += 1
         for p in path:
             p.last_access = self.clock
@@ -478,11 +506,7 @@ class RadixTree:
         if tail_owner is not None and tail_owner is not node:
             tail_owner.last_access = self.clock
             self._notify_access([tail_owner], hit=False)
-        last_partial = bool(path) and path[-1].end > m * P and tail_owner is not path[-1]
-        if split_leaf or (last_partial and attach.any()):
-            # A host-only node gets device pages only where the caller has them: split first.
-            path = [*path[:-1], self._split(path[-1], m * P)]
-        if attach.any():
+        if attaching:
             self._attach_along(path, tail_owner, pages)
         if split_leaf:
             node = self._new_leaf(path[-1], key, m, pages)
@@ -492,46 +516,91 @@ class RadixTree:
             node = self._new_leaf(node, key, m, pages)
         elif tail_owner is not None:
             node = tail_owner
-        dup = ~own & ~attach
-        free_pages = pages[:kept][dup].copy()
+        if not tree_pages.size:  # the usual insert: nothing fresh landed on covered positions
+            return InsertResult(prefix_len, _EMPTY_PAGES, node, pages)
+        dup = tree_pages != _NO_PAGE
+        free_pages = pages[c:kept][dup].copy()
         seq_pages = pages.copy()
         replaced = dup & (tree_pages >= 0)  # not where a collision put other tokens
-        seq_pages[:kept][replaced] = tree_pages[replaced]
+        seq_pages[c:kept][replaced] = tree_pages[replaced]
         return InsertResult(prefix_len, free_pages, node, seq_pages)
+
+    def _page_at(self, path: list[Node], position: int) -> int:
+        """The device page ``path`` holds at page ``position`` (_NO_PAGE if host-only)."""
+        P = self.page_size
+        for node in reversed(path):
+            start = node.start // P
+            if start <= position:
+                return int(node.pages[position - start]) if node.pages.size else _NO_PAGE
+        return _NO_PAGE
+
+    def _covered_pages(
+        self, path: list[Node], tail_owner: Node | None, first: int, kept: int
+    ) -> IntArray:
+        """The tree's device page at each position of ``[first, kept)``: a page id, _NO_PAGE
+        where only the host holds it, _FOREIGN where other tokens sit under an equal key."""
+        if first >= kept:
+            return _EMPTY_PAGES
+        P = self.page_size
+        parts: list[IntArray] = []
+        for node in reversed(path):  # only the last nodes reach past `first`
+            start = node.start // P
+            if start + node.span <= first:
+                break
+            lo = max(first - start, 0)
+            parts.append(node.pages[lo:] if node.pages.size else np.full(node.span - lo, _NO_PAGE))
+        parts.reverse()
+        if tail_owner is not None and (not path or tail_owner is not path[-1]):
+            parts.append(tail_owner.pages if tail_owner.pages.size else np.array([_NO_PAGE]))
+        covered = _concat(parts)[: kept - first]
+        if covered.size < kept - first:  # a collision: the tree holds other tokens there
+            covered = np.concatenate([covered, np.full(kept - first - covered.size, _FOREIGN)])
+        return covered
 
     def _check_new_pages(self, tier: Tier, fresh: IntArray) -> None:
         """Refuse pages that would corrupt the tree: out of range, listed twice, already held,
         or (with an allocator) free."""
         if fresh.size == 0:
             return
-        lo, hi = int(fresh.min()), int(fresh.max())
         allocator = self._allocators[tier]
-        bound = allocator.num_pages if allocator is not None else None
-        if lo < 0 or (bound is not None and hi >= bound):
-            raise TreeUsageError(
-                f"{tier.name} page {lo if lo < 0 else hi} is outside [0, {bound or 'inf'})"
-            )
-        held = self._held_upto(tier, hi)
-        stamp = self._stamp[tier]  # each page writes its index; a page listed twice keeps its last
-        order = np.arange(fresh.size, dtype=np.int64)
-        stamp[fresh] = order
-        if not np.array_equal(stamp[fresh], order):
-            raise TreeUsageError(f"{tier.name} pages listed twice in one call: {fresh.tolist()}")
+        if allocator is not None:
+            try:
+                free = allocator.is_free(fresh)  # range-checks the ids too
+            except UnknownPageError as err:
+                raise TreeUsageError(f"{tier.name} {err}") from None
+            if free.any():
+                bad = int(fresh[np.flatnonzero(free)[0]])
+                raise TreeUsageError(f"{tier.name} page {bad} was never allocated (it is free)")
+            held = self._held[tier]
+        else:
+            lo, hi = int(fresh.min()), int(fresh.max())
+            if lo < 0:
+                raise TreeUsageError(f"{tier.name} page {lo} is negative")
+            held = self._held_upto(tier, hi)
         if held[fresh].any():
             bad = int(fresh[np.flatnonzero(held[fresh])[0]])
             raise TreeUsageError(
                 f"{tier.name} page {bad} is already held by the tree; pass the pages match_prefix "
                 "returned at their positions, and pages freshly allocated elsewhere"
             )
-        if allocator is not None and allocator.is_free(fresh).any():
-            bad = int(fresh[np.flatnonzero(allocator.is_free(fresh))[0]])
-            raise TreeUsageError(f"{tier.name} page {bad} was never allocated (it is free)")
+        if fresh.size > 1:
+            if self._order.size < fresh.size:
+                self._order = np.arange(2 * fresh.size, dtype=np.int64)
+            order = self._order[: fresh.size]
+            stamp = self._stamp[tier]  # each page writes its index; one listed twice keeps its last
+            stamp[fresh] = order
+            if not (stamp[fresh] == order).all():
+                raise TreeUsageError(
+                    f"{tier.name} pages listed twice in one call: {fresh.tolist()}"
+                )
 
     def holds(self, pages: IntArray, tier: Tier = Tier.L1) -> npt.NDArray[np.bool_]:
-        """Which of ``pages`` (ids >= 0) the tree holds in ``tier``."""
+        """Which of ``pages`` the tree holds in ``tier`` (ids out of range: not held)."""
         held = self._held[tier]
+        if pages.size and int(pages.min()) >= 0 and int(pages.max()) < held.size:
+            return held[pages]
         out = np.zeros(pages.shape, dtype=np.bool_)
-        inside = pages < held.size
+        inside = (pages >= 0) & (pages < held.size)
         out[inside] = held[pages[inside]]
         return out
 
@@ -611,20 +680,22 @@ class RadixTree:
         k = (at - node.start) // P
         parent = node.parent
         assert parent is not None
+        # Both halves are views of the node's own arrays (never a request's): no copy, and no
+        # more memory than the node held. Node arrays are never written in place.
         upper = Node(
             self._next_id,
             parent,
             node.first_key,
             int(node.keys[k - 1]),
             node.start,
-            node.tokens[: k * P].copy(),
-            node.keys[:k].copy(),
+            node.tokens[: k * P],
+            node.keys[:k],
             k,
-            node.pages[:k].copy() if node.on_device else _EMPTY_PAGES,
+            node.pages[:k] if node.on_device else _EMPTY_PAGES,
             node.last_access,
         )
         self._next_id += 1
-        upper.host_pages = node.host_pages[:k].copy() if node.on_host else _EMPTY_PAGES
+        upper.host_pages = node.host_pages[:k] if node.on_host else _EMPTY_PAGES
         upper.residency = node.residency
         upper.ticket = node.ticket
         upper.hit_count = node.hit_count
@@ -634,15 +705,15 @@ class RadixTree:
             self._pending[node.ticket].append(upper)
         parent.children[node.first_key] = upper
         node.first_key = self._lower_first_key(node, at)
-        node.keys = node.keys[k:].copy()
-        node.tokens = node.tokens[k * P :].copy()
+        node.keys = node.keys[k:]
+        node.tokens = node.tokens[k * P :]
         node.num_full = node.keys.size
         node.full_key = node.keys.item(-1) if node.keys.size else -1
         node.span -= k
         if node.on_device:
-            node.pages = node.pages[k:].copy()
+            node.pages = node.pages[k:]
         if node.on_host:
-            node.host_pages = node.host_pages[k:].copy()
+            node.host_pages = node.host_pages[k:]
         node.start = at
         node.parent = upper
         upper.children[node.first_key] = node
@@ -785,21 +856,22 @@ class RadixTree:
         self._check_new_pages(Tier.L1, device_pages)
         self._set_device(node, device_pages.copy())
 
-    def trim(self, node: Node, tier: Tier, count: int) -> IntArray:
+    def trim(self, node: Node, tier: Tier, count: int, requeue: bool = True) -> IntArray:
         """Release the last ``count`` pages of ``node`` from ``tier`` and return them.
 
         ``node`` must be an eviction candidate of ``tier`` (:meth:`is_candidate`). Where the node
         has no other copy, its tail is cut off (all of it: the node goes); where it has one, the
-        tail part keeps only that copy (a split first if only part of the node goes).
+        tail part keeps only that copy (a split first if only part of the node goes). A node
+        cut short is queued again unless ``requeue`` is False (the planner queues it itself).
         """
-        assert self.is_candidate(node, tier) and 0 < count <= node.span, (node, tier, count)
+        assert 0 < count <= node.span, (node, count)  # a candidate: the caller checked
         if node.residency is not Residency.DEVICE_HOST:  # the only copy: cut the tail off
-            return self._cut_tail(node, tier, count)
+            return self._cut_tail(node, tier, count, requeue)
         if count < node.span:
             self._split(node, (node.start // self.page_size + node.span - count) * self.page_size)
         return self._drop_device(node) if tier is Tier.L1 else self._drop_host(node)
 
-    def _cut_tail(self, node: Node, tier: Tier, count: int) -> IntArray:
+    def _cut_tail(self, node: Node, tier: Tier, count: int, requeue: bool = True) -> IntArray:
         """Remove the last ``count`` pages of a leaf that holds them in ``tier`` only."""
         self._version += 1
         pages = node.pages if tier is Tier.L1 else node.host_pages
@@ -834,7 +906,8 @@ class RadixTree:
             node.pages = node.pages[:keep].copy()
         else:
             node.host_pages = node.host_pages[:keep].copy()
-        self._refresh(node)
+        if requeue:
+            self._refresh(node)
         return freed
 
     def _set_device(self, node: Node, pages: IntArray) -> None:

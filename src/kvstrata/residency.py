@@ -26,6 +26,9 @@ class Residency(enum.Enum):
 class Tier(enum.IntEnum):
     """The three cache tiers, in the order a hit is served from."""
 
+    # Hash as the int it is (Enum hashes its name in Python code): tiers key dicts on hot paths.
+    __hash__ = int.__hash__
+
     L1 = 1  # device pool
     L2 = 2  # pinned host pool
     L3 = 3  # local disk

@@ -44,7 +44,8 @@ def build(
         start = hit.valid_len // page_size
         fresh = alloc.alloc(start, page_span(tokens.size, page_size) - start)
         assert fresh is not None
-        alloc.free(tree.insert(key, np.concatenate([hit.device_pages, fresh])).free_pages)
+        result = tree.insert(key, np.concatenate([hit.device_pages, fresh]), hit.valid_len)
+        alloc.free(result.free_pages)
     return tree, alloc
 
 

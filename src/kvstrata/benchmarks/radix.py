@@ -93,7 +93,7 @@ def replay(
         cached_pages = hit.valid_len // P
         new_pages = alloc.alloc(cached_pages, page_span(tokens.size, P) - cached_pages)
         assert new_pages is not None, "pool sized to hold the budget plus one request"
-        result = tree.insert(key, np.concatenate((hit.device_pages, new_pages)))
+        result = tree.insert(key, np.concatenate((hit.device_pages, new_pages)), hit.valid_len)
         alloc.free(result.free_pages)
         if tree.num_pages > budget_pages:
             nodes_before = tree.num_nodes
