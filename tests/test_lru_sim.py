@@ -104,32 +104,15 @@ def compare(case: Case, eviction: str) -> None:
         )
 
 
-# radix.insert records its access on whole nodes of its walk. After an eviction it walks again,
-# one page past the capped match, and refreshes the whole node it ends in, pages after the
-# request's last token included (they then outlive older pages the request never touched);
-# without one it reuses match_prefix's capped walk and leaves a duplicate last page unrefreshed.
-# Walking again uncapped and splitting at the request's end first makes every case below equal.
-REFRESH_PAST_THE_REQUEST = (
-    "engine: an insert after an eviction records an access on its whole last node, past the "
-    "request's last page (radix.insert re-walks uncapped)"
-)
-
-FULL_CASES = [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=REFRESH_PAST_THE_REQUEST))
-    if c.name == "random"
-    else c
-    for c in CASES
-]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("case", FULL_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_engine_equals_tail_first_reference(case: Case) -> None:
     compare(case, "tail_first")
 
 
-@pytest.mark.xfail(strict=True, reason=REFRESH_PAST_THE_REQUEST)
 def test_an_insert_refreshes_only_the_pages_of_its_request() -> None:
+    """An insert records its access on the request's own pages only: a node that runs past the
+    request's last page keeps its older pages older (the tree once refreshed the whole node)."""
     z = np.arange(301, 305, dtype=np.uint32)  # 1 page, the oldest
     a = np.arange(1, 13, dtype=np.uint32)  # 3 pages
     c = np.arange(101, 109, dtype=np.uint32)  # 2 pages
@@ -143,12 +126,9 @@ def test_an_insert_refreshes_only_the_pages_of_its_request() -> None:
     assert engine_hits([Request(i, t) for i, t in enumerate(arrays)], 4, 7, vocab=500) == want
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="radix: match_prefix memoises its capped walk, so the insert of a page-aligned exact "
-    "prefix takes its cached last page for a hash collision",
-)
 def test_an_exact_page_aligned_repeat_is_no_hash_collision() -> None:
+    """The insert after a capped match walks the tree again (the tree once reused the capped
+    walk and took the cached last page for a hash collision)."""
     from kvstrata.compute import SyntheticCompute
     from kvstrata.engine import Engine, EngineConfig
 
@@ -161,8 +141,7 @@ def test_an_exact_page_aligned_repeat_is_no_hash_collision() -> None:
     assert engine.tree.hash_collisions == 0
 
 
-@pytest.mark.xfail(strict=True, reason=REFRESH_PAST_THE_REQUEST)
-@settings(max_examples=25, deadline=None, derandomize=True)
+@settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
     page_size=st.sampled_from([1, 2, 4]),
