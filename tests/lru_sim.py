@@ -266,8 +266,8 @@ class Case:
         return [r.tokens for r in self.load()]
 
     def load(self) -> list:  # list[Request]; imported lazily so this file runs as a script
-        from kvstrata.agentic import AgenticShape
         from kvstrata.workloads import Request, agentic, synthetic
+        from kvstrata.workloads.agentic import AgenticShape
 
         if self.name == "random":
             return [Request(i, t) for i, t in enumerate(random_workload(7, 2500, self.page_size))]
@@ -296,8 +296,8 @@ def engine_hits(
     requests: list, page_size: int, capacity_pages: int, vocab: int, check: bool = False
 ) -> list[int | None]:
     """Cached tokens per request (None: refused) of the engine, one request at a time."""
-    from kvstrata.compute import SyntheticCompute
     from kvstrata.engine import Engine, EngineConfig
+    from kvstrata.model.compute import SyntheticCompute
 
     longest = max(r.tokens.size for r in requests)
     config = EngineConfig(

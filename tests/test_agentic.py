@@ -1,4 +1,4 @@
-"""Tests for kvstrata.agentic: the shape of the generated sessions, determinism and laziness."""
+"""Tests for kvstrata.workloads.agentic: the shape of the generated sessions, determinism and laziness."""
 
 from __future__ import annotations
 
@@ -13,10 +13,16 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from kvstrata.agentic import DEFAULT_REQUESTS, AgenticRequest, AgenticShape, generate, parse_spec
 from kvstrata.benchmarks.workload import describe
 from kvstrata.errors import ConfigError, WorkloadError
 from kvstrata.workloads import Request, agentic
+from kvstrata.workloads.agentic import (
+    DEFAULT_REQUESTS,
+    AgenticRequest,
+    AgenticShape,
+    generate,
+    parse_spec,
+)
 
 SHAPE = AgenticShape()
 
@@ -40,7 +46,7 @@ def test_deterministic_across_processes() -> None:
     assert digest(list(generate(5, 300, 1000))) == first
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]); from test_agentic import digest; "
-        "from kvstrata.agentic import generate; print(digest(list(generate(5, 300, 1000))))"
+        "from kvstrata.workloads.agentic import generate; print(digest(list(generate(5, 300, 1000))))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "999"}
     out = subprocess.run(

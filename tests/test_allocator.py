@@ -1,4 +1,4 @@
-"""Tests for kvstrata.allocator: lanes, all-or-nothing allocation, typed misuse errors, digests."""
+"""Tests for kvstrata.cache.allocator: lanes, all-or-nothing allocation, typed misuse errors, digests."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.allocator import PageAllocator
+from kvstrata.cache.allocator import PageAllocator
 from kvstrata.config import PoolConfig
 from kvstrata.errors import (
     AllocatorError,

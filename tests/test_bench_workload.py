@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from lru_sim import LRUSim, engine_hits, random_workload
 
-from kvstrata.agentic import AgenticShape
 from kvstrata.benchmarks import memory
 from kvstrata.benchmarks.workload import describe
 from kvstrata.cli import main
 from kvstrata.workloads import Request, agentic, builtin
+from kvstrata.workloads.agentic import AgenticShape
 
 P = 4
 

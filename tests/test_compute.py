@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.compute import _payload_bytes, _token_terms, synthetic_payload
 from kvstrata.errors import ConfigError
+from kvstrata.model.compute import _payload_bytes, _token_terms, synthetic_payload
 
 
 def whole_sequence_payload(tokens: torch.Tensor, kv_width: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ def test_chunk_size_must_be_positive() -> None:
 
 _PEAK_SCRIPT = """
 import json, resource, torch
-from kvstrata.compute import synthetic_payload
+from kvstrata.model.compute import synthetic_payload
 n, width = 2_000_000, 64
 tokens = torch.randint(0, 128_256, (n,), dtype=torch.int64)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.compute import ModelCompute, SyntheticCompute, synthetic_payload
 from kvstrata.engine import Engine, EngineConfig, Finished
 from kvstrata.errors import ConfigError
+from kvstrata.model.compute import ModelCompute, SyntheticCompute, synthetic_payload
 from kvstrata.model.loader import load_model
 from kvstrata.replay import ReplayConfig, recompute_uncached, run_replay
 from kvstrata.workloads import Request, builtin

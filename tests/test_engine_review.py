@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvstrata.cli import main
-from kvstrata.compute import ModelCompute, SyntheticCompute
 from kvstrata.engine import Engine, EngineConfig, Finished
+from kvstrata.model.compute import ModelCompute, SyntheticCompute
 from kvstrata.model.loader import load_model
 from kvstrata.replay import ReplayConfig, run_replay
 from kvstrata.workloads import Request

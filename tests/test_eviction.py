@@ -1,4 +1,4 @@
-"""Tests for kvstrata.eviction: victim order against a brute force, and SLRU segment semantics.
+"""Tests for kvstrata.cache.eviction: victim order against a brute force, and SLRU segment semantics.
 
 The brute force repeatedly takes, among the current leaves with ``lock_ref == 0``, the node with
 the smallest ``policy.priority`` and removes it (virtually); its order must equal both
@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.allocator import PageAllocator
+from kvstrata.cache.allocator import PageAllocator
+from kvstrata.cache.eviction import PROBATION, PROTECTED, LRUPolicy, SLRUPolicy, make_policy
+from kvstrata.cache.radix import MatchResult, Node, RadixTree
 from kvstrata.config import CacheConfig, PoolConfig
-from kvstrata.eviction import PROBATION, PROTECTED, LRUPolicy, SLRUPolicy, make_policy
 from kvstrata.ownership import page_span
-from kvstrata.radix import MatchResult, Node, RadixTree
 from kvstrata.residency import Tier
 
 CAPACITY = 16  # tree capacity in pages: with protected_fraction 0.25 the SLRU cap is 4 pages

@@ -1,4 +1,4 @@
-"""Tests for kvstrata.host_pool: layouts, slabs, memory refusal, pinning failures, check()."""
+"""Tests for kvstrata.tiers.host_pool: layouts, slabs, memory refusal, pinning failures, check()."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata import host_pool as host_pool_module
+from kvstrata.tiers import host_pool as host_pool_module
 from kvstrata.config import KVLayout, PayloadSpec
 from kvstrata.errors import CapacityError, ConfigError, PinnedMemoryError, PoolInvariantError
-from kvstrata.host_pool import HOST_LAYOUTS, HostLayout, HostPool
-from kvstrata.pool import torch_dtype
+from kvstrata.tiers.host_pool import HOST_LAYOUTS, HostLayout, HostPool
+from kvstrata.tiers.pool import torch_dtype
 
 PAGE = 4
 LAYOUT = KVLayout(

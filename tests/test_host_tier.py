@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.compute import ModelCompute, SyntheticCompute, synthetic_payload
 from kvstrata.engine import Engine, EngineConfig, Finished
 from kvstrata.errors import ConfigError
+from kvstrata.model.compute import ModelCompute, SyntheticCompute, synthetic_payload
 from kvstrata.model.loader import load_model
 from kvstrata.replay import recompute_uncached
 from kvstrata.residency import Residency, Tier
-from kvstrata.tickets import Progress
+from kvstrata.tiers.tickets import Progress
 from kvstrata.workloads import Request, builtin, synthetic
 
 

@@ -1,4 +1,4 @@
-"""Tests for kvstrata.keys: token validation and prefix-closed, process-independent page keys."""
+"""Tests for kvstrata.cache.keys: token validation and prefix-closed, process-independent page keys."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstrata.cache.keys import PrefixHasher, TokenKey, as_token_array
 from kvstrata.errors import ConfigError, InvalidTokensError
-from kvstrata.keys import PrefixHasher, TokenKey, as_token_array
 
 PAGE_SIZES = [1, 2, 3, 4, 16]
 
@@ -166,7 +166,7 @@ def test_same_prefix() -> None:
 _CHILD = """
 import json, sys
 import numpy as np
-from kvstrata.keys import PrefixHasher
+from kvstrata.cache.keys import PrefixHasher
 tokens = (np.arange({n}, dtype=np.uint64) * 2654435761 % (1 << 32)).astype(np.uint32)
 hasher = PrefixHasher()
 # Warm the length-term cache and scratch with another page size first: keys must not depend on it.

@@ -129,8 +129,8 @@ def test_an_insert_refreshes_only_the_pages_of_its_request() -> None:
 def test_an_exact_page_aligned_repeat_is_no_hash_collision() -> None:
     """The insert after a capped match walks the tree again (the tree once reused the capped
     walk and took the cached last page for a hash collision)."""
-    from kvstrata.compute import SyntheticCompute
     from kvstrata.engine import Engine, EngineConfig
+    from kvstrata.model.compute import SyntheticCompute
 
     engine = Engine(SyntheticCompute(4, 500), EngineConfig(page_size=4, pool_tokens=64))
     a = np.arange(1, 13, dtype=np.uint32)

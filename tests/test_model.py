@@ -22,7 +22,7 @@ from kvstrata.errors import (
     UnsupportedArchitectureError,
 )
 from kvstrata.model import PRESETS, ForwardBatch, LlamaModel, ModelConfig, RopeScaling, load_model
-from kvstrata.pool import DevicePool
+from kvstrata.tiers.pool import DevicePool
 
 transformers = pytest.importorskip("transformers")
 

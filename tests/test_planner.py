@@ -1,4 +1,4 @@
-"""Tests for kvstrata.planner: the lazy-heap planner picks exactly what a naive greedy planner
+"""Tests for kvstrata.cache.planner: the lazy-heap planner picks exactly what a naive greedy planner
 picks, trims are minimal and tail-first, and eviction frees no more than the deficit needs."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.allocator import PageAllocator
+from kvstrata.cache.allocator import PageAllocator
+from kvstrata.cache.planner import as_deficit, lane_counts, trim_count
+from kvstrata.cache.radix import Node, RadixTree
 from kvstrata.config import CacheConfig, PoolConfig
 from kvstrata.errors import ConfigError
 from kvstrata.ownership import owners, page_span
-from kvstrata.planner import as_deficit, lane_counts, trim_count
-from kvstrata.radix import Node, RadixTree
 from kvstrata.residency import Tier
 
 

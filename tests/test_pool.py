@@ -1,4 +1,4 @@
-"""Tests for kvstrata.pool: the device pool's shapes, dtypes, aliasing and errors (CPU)."""
+"""Tests for kvstrata.tiers.pool: the device pool's shapes, dtypes, aliasing and errors (CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from kvstrata.config import KVLayout, PayloadSpec
 from kvstrata.errors import ConfigError
-from kvstrata.pool import DevicePool, torch_dtype
+from kvstrata.tiers.pool import DevicePool, torch_dtype
 
 PAGE_SIZE = 4
 NUM_SLOTS = 5

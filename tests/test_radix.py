@@ -1,4 +1,4 @@
-"""Tests for kvstrata.radix against a dict-of-pages reference model.
+"""Tests for kvstrata.cache.radix against a dict-of-pages reference model.
 
 The reference model keeps, for every cached whole-page prefix (a tuple of token ids), the logical
 page that holds its last page, and for every cached sequence that ends in a valid tail, the page of
@@ -21,14 +21,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata import synthetic
-from kvstrata.allocator import PageAllocator
+from kvstrata.cache.allocator import PageAllocator
+from kvstrata.cache.keys import PrefixHasher
+from kvstrata.cache.radix import InsertResult, MatchResult, Node, RadixTree
 from kvstrata.config import CacheConfig, PoolConfig
 from kvstrata.errors import ConfigError, InvalidTokensError, TreeUsageError
-from kvstrata.keys import PrefixHasher
 from kvstrata.ownership import owners, page_span
-from kvstrata.radix import InsertResult, MatchResult, Node, RadixTree
 from kvstrata.residency import Tier
+from kvstrata.workloads import shared_synthetic as synthetic
 
 HUGE = 10**9
 Prefix = tuple[int, ...]
@@ -807,11 +807,11 @@ _DIGEST_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from kvstrata import synthetic
-    from kvstrata.allocator import PageAllocator
+    from kvstrata.workloads import shared_synthetic as synthetic
+    from kvstrata.cache.allocator import PageAllocator
     from kvstrata.config import CacheConfig, PoolConfig
     from kvstrata.ownership import owners
-    from kvstrata.radix import RadixTree
+    from kvstrata.cache.radix import RadixTree
 
     P, CP, N = 4, 3, 240
     reqs = synthetic.generate(seed=3, n_requests=60, n_system_prompts=3, system_prompt_len=40,

@@ -20,9 +20,9 @@ from hypothesis.extra import numpy as hnp
 
 from kvstrata import replay as replay_module
 from kvstrata.cli import main
-from kvstrata.compute import ModelCompute
 from kvstrata.engine import Engine, EngineConfig
 from kvstrata.errors import CapacityError, WorkloadError
+from kvstrata.model.compute import ModelCompute
 from kvstrata.model.loader import load_model
 from kvstrata.replay import ReplayConfig, compare_logits, run_replay
 from kvstrata.workloads import load_mooncake

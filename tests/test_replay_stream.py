@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from kvstrata import replay
-from kvstrata.agentic import AgenticShape
 from kvstrata.benchmarks.memory import run_child
-from kvstrata.compute import SyntheticCompute
 from kvstrata.engine import Engine, EngineConfig
 from kvstrata.errors import ConfigError
+from kvstrata.model.compute import SyntheticCompute
 from kvstrata.replay import ReplayConfig, VerifySample, run_replay
 from kvstrata.workloads import Request, SkippedLine, Workload, agentic, builtin
+from kvstrata.workloads.agentic import AgenticShape
 
 
 class _Tracked(Request):

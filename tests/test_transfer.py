@@ -1,4 +1,4 @@
-"""Tests for kvstrata.transfer: byte-exact round trips, slab grouping, failures, contract, stats.
+"""Tests for kvstrata.tiers.transfer: byte-exact round trips, slab grouping, failures, contract, stats.
 
 CPU tests run the torch path; one test runs the Triton kernel in Triton's CPU interpreter; tests
 marked ``gpu`` run the CUDA path (streams, events, pinned memory) where a GPU exists.
@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from kvstrata.config import KVLayout, PayloadSpec
 from kvstrata.errors import ConfigError, TransferError, TransferTimeoutError
-from kvstrata.host_pool import HOST_LAYOUTS, HostLayout, HostPool
-from kvstrata.pool import DevicePool
-from kvstrata.transfer import Completion, Transfer
+from kvstrata.tiers.host_pool import HOST_LAYOUTS, HostLayout, HostPool
+from kvstrata.tiers.pool import DevicePool
+from kvstrata.tiers.transfer import Completion, Transfer
 
 PAGE = 4
 LAYOUT = KVLayout(
@@ -294,8 +294,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, sys.argv[1])
     import test_transfer as tt
-    from kvstrata.transfer import Transfer
-    from kvstrata.transfer_kernel import KernelConfig
+    from kvstrata.tiers.transfer import Transfer
+    from kvstrata.tiers.transfer_kernel import KernelConfig
     torch.manual_seed(0)
     cases = ((None, 4, KernelConfig()), (3, 3, KernelConfig(16, 1, 3)), (2, 3, KernelConfig()))
     for host_layout in ("layer_first", "page_first"):

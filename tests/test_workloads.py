@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata import synthetic as shared_synthetic
 from kvstrata.errors import ConfigError, InvalidTokensError, WorkloadError
 from kvstrata.workloads import (
     BUILTIN_REQUESTS,
@@ -21,6 +20,7 @@ from kvstrata.workloads import (
     builtin,
     load_mooncake,
     load_workload,
+    shared_synthetic,
     synthetic,
 )
 

@@ -23,7 +23,7 @@ from .model.config import PRESETS, ModelConfig
 from .model.llama import LlamaModel
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
-from .pool import DevicePool
+from .tiers.pool import DevicePool
 
 #: Prompt lengths that straddle page boundaries for page sizes 16 and 64.
 DEFAULT_LENGTHS = (1, 7, 37, 100, 129)

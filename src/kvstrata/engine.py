@@ -32,8 +32,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .allocator import PageAllocator
-from .compute import Compute
+from .cache.allocator import PageAllocator
+from .cache.keys import TokenKey
+from .cache.radix import Node, RadixTree
 from .config import (
     DEFAULT_HOST_LAYOUT,
     HOST_LAYOUTS,
@@ -43,18 +44,17 @@ from .config import (
     PoolConfig,
 )
 from .errors import ConfigError, RequestError
-from .host_pool import HostPool
-from .keys import TokenKey
-from .loadback import LoadBack
 from .model.batch import ForwardBatch
+from .model.compute import Compute
 from .ownership import owners, page_span
-from .pool import DevicePool
-from .radix import Node, RadixTree
 from .residency import Tier
-from .tickets import FrontierFn, TicketKind, TicketLedger, local_frontier
-from .transfer import Transfer, TransferStats
+from .tiers.host_pool import HostPool
+from .tiers.loadback import LoadBack
+from .tiers.pool import DevicePool
+from .tiers.tickets import FrontierFn, TicketKind, TicketLedger, local_frontier
+from .tiers.transfer import Transfer, TransferStats
+from .tiers.writethrough import Reservation, WriteThrough
 from .workloads import Request
-from .writethrough import Reservation, WriteThrough
 
 IntArray = npt.NDArray[np.int64]
 GIB = 1 << 30

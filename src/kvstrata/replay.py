@@ -33,15 +33,15 @@ import numpy as np
 import torch
 
 from . import __version__
-from .compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
+from .cache.radix import TreeStats
 from .config import KVLayout
 from .engine import Engine, EngineConfig, Finished
 from .errors import ConfigError
 from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
+from .model.compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
 from .progress import Progress
-from .radix import TreeStats
 from .residency import Tier
 from .workloads import DEFAULT_VOCAB_SIZE, Request, SkippedLine, load_workload
 

@@ -16,13 +16,13 @@ import time
 import numpy as np
 import torch
 
-from ..allocator import PageAllocator
+from ..cache.allocator import PageAllocator
+from ..cache.radix import RadixTree
 from ..command import CommandParser, run_command
 from ..config import CacheConfig, PoolConfig
 from ..errors import ConfigError
 from ..limits import ALLOCATOR_BYTES_PER_PAGE, check_fits
 from ..ownership import page_span
-from ..radix import RadixTree
 from ..residency import Tier
 
 

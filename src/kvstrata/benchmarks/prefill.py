@@ -28,7 +28,7 @@ from ..limits import check_device, check_fits
 from ..model import PRESETS, ForwardBatch, LlamaModel, ModelConfig, convert_hf_state
 from ..model.loader import weight_bytes
 from ..ownership import page_span
-from ..pool import DevicePool
+from ..tiers.pool import DevicePool
 
 PROG = "kvstrata bench prefill"
 #: More timed or warm-up runs than this is a typo, not a measurement (the median settles long before).

@@ -22,14 +22,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .. import synthetic
-from ..allocator import PageAllocator
+from ..cache.allocator import PageAllocator
+from ..cache.radix import RadixTree
 from ..command import CommandParser, run_command
 from ..config import CacheConfig, PoolConfig
 from ..errors import ConfigError
 from ..limits import ALLOCATOR_BYTES_PER_PAGE, check_fits
 from ..ownership import page_span
-from ..radix import RadixTree
+from ..workloads import shared_synthetic as synthetic
 
 PROG = "kvstrata bench radix"
 #: What the generator's requests cost while they are built: about 6,700 tokens per request on
@@ -39,7 +39,7 @@ _TOKENS_PER_REQUEST = 6_721
 _BYTES_PER_TOKEN = 20
 
 #: The workload's own no-eviction references for seed 0 and 2,000 requests (from
-#: ``python -m kvstrata.synthetic --seed 0 --reference P``); ``--recompute-reference`` recomputes them.
+#: ``python -m kvstrata.workloads.shared_synthetic --seed 0 --reference P``); ``--recompute-reference`` recomputes them.
 KNOWN_REFERENCES = {
     (0, 2000): {1: "fcd11de4dbecc7ff", 16: "ba3b32e878c369f4", 64: "c9ce49f1968ab200"}
 }

@@ -1,7 +1,7 @@
 """Tier-to-tier copy benchmark (``kvstrata bench transfer``).
 
 One layer's batched copy of ``--pages`` pages at random, non-contiguous slots, device pool to host
-pool (d2h) and back (h2d), through :class:`~kvstrata.transfer.Transfer`, for a GQA geometry (K and
+pool (d2h) and back (h2d), through :class:`~kvstrata.tiers.transfer.Transfer`, for a GQA geometry (K and
 V, 8 KV heads x 128, bf16) and an MLA geometry (one 576-wide bf16 latent), in both host layouts.
 Each timed copy is set against a contiguous copy of the same bytes between a device tensor and a
 pinned host tensor, measured alternately in the same run: ``ratio`` is how close the batched
@@ -30,11 +30,11 @@ import torch
 from ..command import CommandParser, HelpFormatter, run_command
 from ..config import KVLayout, PayloadSpec
 from ..errors import ConfigError
-from ..host_pool import HOST_LAYOUTS, HostLayout, HostPool
 from ..limits import check_device, check_fits
-from ..pool import DevicePool
-from ..transfer import Direction, Transfer
-from ..transfer_kernel import KernelConfig
+from ..tiers.host_pool import HOST_LAYOUTS, HostLayout, HostPool
+from ..tiers.pool import DevicePool
+from ..tiers.transfer import Direction, Transfer
+from ..tiers.transfer_kernel import KernelConfig
 
 DIRECTIONS: tuple[Direction, ...] = ("d2h", "h2d")
 _SPIN_CYCLES = 20_000_000  # about 10 ms at H200 clocks, far longer than one submission

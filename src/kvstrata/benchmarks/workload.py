@@ -7,7 +7,7 @@ requests run one at a time under the engine's rules (whole pages only, never a r
 token). Any real cache, at any capacity, hits at most that.
 
 Everything streams: one request at a time, plus one 64-bit prefix key per distinct page seen
-(:mod:`kvstrata.keys`). A request's pages already seen always form a leading run (a page's key
+(:mod:`kvstrata.cache.keys`). A request's pages already seen always form a leading run (a page's key
 names its whole prefix, and every earlier request added all its pages), so the run's length is
 found by binary search.
 """
@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..cache.keys import PrefixHasher
 from ..command import CommandParser, HelpFormatter, run_command
 from ..errors import ConfigError
-from ..keys import PrefixHasher
 from ..workloads import DEFAULT_VOCAB_SIZE, Request, load_workload
 
 PROG = "kvstrata bench workload"

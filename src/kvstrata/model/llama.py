@@ -2,7 +2,7 @@
 
 The arithmetic follows transformers step for step (RMSNorm in fp32, RoPE tables in fp32 cast to the
 compute dtype, q/k RMSNorm before RoPE for Qwen3), so its logits match transformers on the same
-weights. The one difference is where K/V live: in a :class:`~kvstrata.pool.DevicePool` instead of
+weights. The one difference is where K/V live: in a :class:`~kvstrata.tiers.pool.DevicePool` instead of
 a per-request cache. (Fusing q/k/v or gate/up into one matmul was measured: on CPU it is slower,
 because the split outputs are strided; on GPU it gains nothing at prefill sizes.)
 
@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import ConfigError, RequestError
-from ..pool import DevicePool, torch_dtype
+from ..tiers.pool import DevicePool, torch_dtype
 from .batch import ForwardBatch, LayerHooks
 from .config import ModelConfig
 

@@ -16,8 +16,8 @@ import hashlib
 import numpy as np
 import numpy.typing as npt
 
-from .config import PoolConfig
-from .errors import (
+from ..config import PoolConfig
+from ..errors import (
     AllocatorError,
     DoubleFreeError,
     ForeignPageError,

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from .errors import ConfigError
-from .residency import Tier
+from ..errors import ConfigError
+from ..residency import Tier
 
 if TYPE_CHECKING:
     from .radix import RadixTree

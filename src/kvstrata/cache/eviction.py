@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Protocol
 
-from .config import CacheConfig
+from ..config import CacheConfig
 
 if TYPE_CHECKING:
     from .radix import Node

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import TreeInvariantError
+from ..errors import TreeInvariantError
+from ..ownership import page_span
+from ..residency import Residency, Tier
 from .eviction import Priority
-from .ownership import page_span
-from .residency import Residency, Tier
 
 if TYPE_CHECKING:
     from .radix import Node, RadixTree

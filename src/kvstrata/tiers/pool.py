@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import KVLayout
-from .errors import CapacityError, ConfigError
+from ..config import KVLayout
+from ..errors import CapacityError, ConfigError
 
 _TORCH_DTYPES = {
     "float32": torch.float32,

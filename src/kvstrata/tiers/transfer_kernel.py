@@ -1,4 +1,4 @@
-"""The Triton kernel behind the CUDA transfer path (used by :mod:`kvstrata.transfer` only).
+"""The Triton kernel behind the CUDA transfer path (used by :mod:`kvstrata.tiers.transfer` only).
 
 One launch copies ``n`` pages of one payload in one layer between two flat arrays of machine words,
 whatever tiers they live in: a pinned host slab is mapped into the device's unified address space
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 try:
     import triton

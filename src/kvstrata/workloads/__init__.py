@@ -15,13 +15,13 @@ Every source is deterministic and yields :class:`Request` objects (uint32 token 
   ``numpy.random.PCG64(h)`` (a stream numpy keeps stable across versions and platforms), reduced
   modulo the vocabulary, so the same id maps to the same raw block whatever the vocabulary.
 * **Synthetic** (:func:`synthetic`): the shared multi-turn chat generator in
-  :mod:`kvstrata.synthetic` (system prompts picked with a Zipf skew, sessions that re-send every
+  :mod:`kvstrata.workloads.shared_synthetic` (system prompts picked with a Zipf skew, sessions that re-send every
   previous turn), mapped into the model's vocabulary.
 * **Built-in** (:func:`builtin`): 48 short requests (80 to 600 tokens) from interleaved chat
   sessions over four shared system prompts; the default of ``kvstrata replay``, small enough to
   run through a tiny model on CPU in seconds.
 
-* **Agentic** (:mod:`kvstrata.agentic`): long agentic coding sessions that grow by tool outputs,
+* **Agentic** (:mod:`kvstrata.workloads.agentic`): long agentic coding sessions that grow by tool outputs,
   fork sub-agents and overlap by the hundred, generated lazily.
 
 :func:`load_workload` resolves a command-line spec (``builtin``, ``synthetic[:SEED[:N]]``,
@@ -43,9 +43,9 @@ from typing import BinaryIO, TypeGuard
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import ConfigError, InvalidTokensError, WorkloadError
 from . import agentic as _agentic
-from . import synthetic as _synthetic
-from .errors import ConfigError, InvalidTokensError, WorkloadError
+from . import shared_synthetic as _synthetic
 
 TokenArray = npt.NDArray[np.uint32]
 
@@ -296,7 +296,7 @@ def _open_trace(path: Path) -> BinaryIO:
 def synthetic(
     seed: int = 0, n_requests: int = 2000, vocab_size: int | None = None, **params: float
 ) -> list[Request]:
-    """The shared synthetic workload (:func:`kvstrata.synthetic.generate`) as requests.
+    """The shared synthetic workload (:func:`kvstrata.workloads.shared_synthetic.generate`) as requests.
 
     ``params`` override the generator's ``DEFAULTS``. With ``vocab_size`` the token ids are reduced
     modulo it, which keeps equal prefixes equal; without it they stay in ``[0, params["vocab"])``.
@@ -332,7 +332,7 @@ def agentic(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     shape: _agentic.AgenticShape | None = None,
 ) -> Iterator[Request]:
-    """The agentic coding workload (:mod:`kvstrata.agentic`) as requests, generated lazily."""
+    """The agentic coding workload (:mod:`kvstrata.workloads.agentic`) as requests, generated lazily."""
     _check_positive("n_requests", n_requests)
     _check_vocab_size(vocab_size)
     for rid, r in enumerate(_agentic.generate(seed, n_requests, vocab_size, shape)):

@@ -43,13 +43,13 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from ..config import CacheConfig
+from ..errors import ConfigError, TreeUsageError, UnknownPageError
+from ..ownership import page_span
+from ..residency import Residency, Tier
 from .allocator import PageAllocator
-from .config import CacheConfig
-from .errors import ConfigError, TreeUsageError, UnknownPageError
 from .eviction import PROBATION, EvictionPolicy, Priority, make_policy
 from .keys import PrefixHasher, TokenKey
-from .ownership import page_span
-from .residency import Residency, Tier
 
 IntArray = npt.NDArray[np.int64]
 _EMPTY_PAGES: IntArray = np.empty(0, dtype=np.int64)
@@ -998,7 +998,7 @@ class RadixTree:
                 self.heaps[tier] = fresh
 
     def evict(self, deficit: int | IntArray, tier: Tier = Tier.L1) -> IntArray:
-        """Free pages of ``tier`` for a deficit; see :func:`kvstrata.planner.evict`."""
+        """Free pages of ``tier`` for a deficit; see :func:`kvstrata.cache.planner.evict`."""
         from .planner import evict
 
         return evict(self, tier, deficit)

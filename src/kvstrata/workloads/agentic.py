@@ -51,7 +51,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from .errors import ConfigError, WorkloadError
+from ..errors import ConfigError, WorkloadError
 
 TokenArray = npt.NDArray[np.uint32]
 Range = tuple[int, int]

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from .radix import MatchResult, Node, RadixTree
-from .residency import Tier
+from ..cache.radix import MatchResult, Node, RadixTree
+from ..residency import Tier
 from .tickets import TicketKind, TicketLedger
 from .transfer import Transfer
 

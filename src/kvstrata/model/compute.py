@@ -16,11 +16,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .config import KVLayout, PayloadSpec
-from .errors import ConfigError
-from .model.batch import ForwardBatch, LayerHooks
-from .model.llama import LlamaModel
-from .pool import DevicePool
+from ..config import KVLayout, PayloadSpec
+from ..errors import ConfigError
+from ..tiers.pool import DevicePool
+from .batch import ForwardBatch, LayerHooks
+from .llama import LlamaModel
 
 
 class Compute(Protocol):

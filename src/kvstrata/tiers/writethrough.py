@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from .allocator import PageAllocator
-from .config import WRITE_POLICIES
-from .errors import ConfigError
-from .ownership import owners
-from .radix import Node, RadixTree
-from .residency import Residency, Tier
+from ..cache.allocator import PageAllocator
+from ..cache.radix import Node, RadixTree
+from ..config import WRITE_POLICIES
+from ..errors import ConfigError
+from ..ownership import owners
+from ..residency import Residency, Tier
 from .tickets import TicketKind, TicketLedger
 from .transfer import Transfer
 

@@ -1,6 +1,6 @@
 """The host pool (L2): page storage of one rank in CPU memory, pinned when CUDA is available.
 
-Like :class:`~kvstrata.pool.DevicePool` it only stores bytes; which logical page a host slot holds
+Like :class:`~kvstrata.tiers.pool.DevicePool` it only stores bytes; which logical page a host slot holds
 is decided by the L2 allocator. Two layouts of the same bytes:
 
 ``layer_first``  per (payload, layer) a tensor ``[slots, page_size, *token_shape]``, as on the
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from .config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, HostLayout, KVLayout
-from .errors import CapacityError, ConfigError, PinnedMemoryError, PoolInvariantError
+from ..config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, HostLayout, KVLayout
+from ..errors import CapacityError, ConfigError, PinnedMemoryError, PoolInvariantError
 from .pool import torch_dtype
 
 # The default layout (config.DEFAULT_HOST_LAYOUT, page_first): ``kvstrata bench transfer`` on the

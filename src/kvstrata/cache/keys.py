@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .errors import InvalidTokensError
+from ..errors import InvalidTokensError
 
 U64Array = npt.NDArray[np.uint64]
 U32Array = npt.NDArray[np.uint32]

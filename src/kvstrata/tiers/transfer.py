@@ -18,7 +18,7 @@ pools on the CPU, so nothing on the submitting path waits for the device.
 CUDA path: d2h copies run on a store stream and h2d copies on a load stream (PCIe is full duplex).
 Each call first makes its stream wait for an event recorded on the current (compute) stream, so a
 backup reads the KV the layer has just written and a load cannot overwrite device pages that
-queued compute still reads. The copy itself is :mod:`kvstrata.transfer_kernel` (a Triton kernel
+queued compute still reads. The copy itself is :mod:`kvstrata.tiers.transfer_kernel` (a Triton kernel
 over unified addressing), one launch per payload and host slab; every call records an event, which
 is what ``wait_layer`` waits for and ``poll`` queries. CPU path: the same copies with
 ``index_select``/``index_copy_``, synchronous, so ``poll`` returns tickets as soon as they close.
@@ -43,8 +43,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ..errors import ConfigError, TransferError, TransferTimeoutError
 from . import transfer_kernel
-from .errors import ConfigError, TransferError, TransferTimeoutError
 from .host_pool import HostPool
 from .pool import DevicePool
 
