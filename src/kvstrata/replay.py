@@ -20,12 +20,13 @@ The summary is a :class:`ReplaySummary`; ``to_json()`` is the stable machine-rea
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import platform
 import time
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -462,6 +463,36 @@ class _Tally:
         self.ttft_s.append(f.ttft_s)
 
 
+#: Engine steps between returns of freed heap memory to the OS (see :func:`release_free_heap`).
+TRIM_EVERY_STEPS = 256
+
+
+def release_free_heap() -> None:
+    """Hand memory that glibc's allocator keeps after frees back to the OS (``malloc_trim``).
+
+    A long replay allocates and frees token, key and page arrays of every size; glibc keeps the
+    freed blocks and peak RSS creeps up with the trace's length although live data stays flat
+    (docs/benchmarks.md, "Streamed replay memory"). No-op where the C library has no
+    ``malloc_trim``.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _find_malloc_trim()
+
+
 def run_replay(
     cfg: ReplayConfig, progress: bool = True, compute: Compute | None = None
 ) -> ReplaySummary:
@@ -528,6 +559,8 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
                 start = time.perf_counter()
                 done = engine.step()
                 seconds += time.perf_counter() - start
+                if engine.steps % TRIM_EVERY_STEPS == 0:
+                    release_free_heap()
                 for f in done:
                     tally.add(f)
                     sample.collect(f)
