@@ -46,6 +46,7 @@ class LoadBack:
     ledger: TicketLedger
     num_layers: int
     drain: Callable[[], None]  # routes finished copies to the ledger (the engine's poll)
+    rank: int = 0  # under CP this rank loads only the pages of its own lane
     stats: LoadStats = field(default_factory=LoadStats)
     _step_tickets: list[int] = field(default_factory=list)
     _host_locked: dict[int, Node] = field(default_factory=dict)
@@ -65,8 +66,9 @@ class LoadBack:
         assert offset == device_pages.size, (offset, device_pages.size)
         ticket = self.ledger.issue(TicketKind.LOAD)
         self._host_locked[ticket] = hit.last_node
-        host_slots = hit.host_pages // cp
-        device_slots = device_pages // cp
+        own = device_pages % cp == self.rank
+        host_slots = hit.host_pages[own] // cp
+        device_slots = device_pages[own] // cp
         for layer in range(self.num_layers):
             self.transfer.h2d(ticket, layer, host_slots, device_slots)
         self.transfer.close(ticket, self.num_layers)
