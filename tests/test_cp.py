@@ -3,9 +3,14 @@ state agrees on every rank after every step, and a dead rank is named instead of
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,3 +145,82 @@ def _frontier_probe(group: Group) -> tuple[int, list[int]]:
     failed = frozenset({3} if group.rank == 1 else set())
     out = group_frontier(group)(Progress(done, failed, 0, 6))
     return out.done_upto, sorted(out.failed)
+
+
+def delayed_replay(group: Group, seed: int) -> dict[str, Any]:
+    """A replay whose copy completions reach the ledger late, by a random per-rank number of
+    steps: the frontier (MIN over ranks) must keep every decision identical."""
+    torch.set_num_threads(1)
+    config = {**BASE, "pool_tokens": 512, "l2_tokens": 4096, "cp_attention": "auto"}
+    engine = Engine(_compute("none"), EngineConfig(**config), group=group)
+    rng = np.random.default_rng(seed * 100 + group.rank)
+    held: list[tuple[int, Any]] = []  # (drains to wait, completion)
+
+    def late(landed: list[Any]) -> list[Any]:
+        held.extend((int(rng.integers(0, 4)), c) for c in landed)
+        ready = [c for wait, c in held if wait == 0]
+        held[:] = [(wait - 1, c) for wait, c in held if wait > 0]
+        return ready
+
+    engine.report_delay = late
+    requests = _requests("none", 60)
+    for r in requests:
+        engine.add(r)
+    digests = []
+    while engine.has_work():
+        engine.step()
+        digests.append((engine.allocator.digest(), engine.tree.digest()))
+    for _ in range(10):  # the held completions come in over a few more settles
+        engine.drain()
+    return {"digests": digests, "l2": engine.hit_tokens[Tier.L2], "left": len(held)}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_per_rank_copy_delays_change_nothing(seed: int) -> None:
+    ranks = run_ranks(2, delayed_replay, (seed,), timeout_s=TIMEOUT_S)
+    assert ranks[0]["digests"] == ranks[1]["digests"]
+    assert ranks[0]["l2"] == ranks[1]["l2"] > 0
+    assert ranks[0]["left"] == ranks[1]["left"] == 0
+
+
+def _mismatched(group: Group) -> None:
+    from kvstrata.replay import ReplayConfig, _agree_on_config
+
+    _agree_on_config(group, ReplayConfig(model="none", seed=group.rank))
+
+
+def test_mismatched_configurations_are_refused_naming_the_field() -> None:
+    with pytest.raises(CollectiveError, match="seed"):
+        run_ranks(2, _mismatched, (), timeout_s=TIMEOUT_S)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    ranks = []
+    for child in sorted(out):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"resource_tracker" not in f.read():
+                ranks.append(child)
+    return ranks
+
+
+@pytest.mark.slow
+def test_killing_one_rank_mid_replay_names_it() -> None:
+    cmd = [sys.executable, "-m", "kvstrata", "replay", "--cp", "2", "--model", "none",
+           "--trace", "synthetic:0:3000", "--l1-tokens", "65536", "--no-progress",
+           "--cp-timeout", "20"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    ranks: list[int] = []
+    while len(ranks) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        ranks = _children(proc.pid)
+    assert len(ranks) == 2, "the two rank processes did not start"
+    time.sleep(4)  # well into the replay
+    os.kill(ranks[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode not in (0, None)
+    assert "rank 1" in err and "died" in err, err

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -56,7 +57,7 @@ from .tiers.host_pool import HostPool
 from .tiers.loadback import LoadBack
 from .tiers.pool import DevicePool
 from .tiers.tickets import FrontierFn, TicketKind, TicketLedger, local_frontier
-from .tiers.transfer import Transfer, TransferStats
+from .tiers.transfer import Completion, Transfer, TransferStats
 from .tiers.writethrough import Reservation, WriteThrough
 from .workloads import Request
 
@@ -277,6 +278,7 @@ class Engine:
         self.peak_pages_used = 0
         self.hit_tokens = {Tier.L1: 0, Tier.L2: 0}
         self.strategy_steps: dict[str, int] = {}  # CP attention strategy -> steps that used it
+        self.report_delay: Callable[[list[Completion]], list[Completion]] | None = None
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -395,10 +397,19 @@ class Engine:
     # -- copies: the frontier and the per-layer hooks --------------------------------------------
 
     def _drain(self) -> None:
-        """Route finished copies to the ledger (this rank's progress)."""
-        if self.transfer is not None:
-            for done in self.transfer.poll():
-                self.ledger.finish(done.ticket, done.ok, done.error)
+        """Route landed copies to load-back (which stops waiting for them) and to the ledger
+        (this rank's progress). ``report_delay``, a test hook, may hold completions back before
+        they count as progress, as a slow rank would."""
+        if self.transfer is None:
+            return
+        landed = self.transfer.poll()
+        if self.loads is not None:
+            for done in landed:
+                self.loads.note_landed(done.ticket, done.ok)
+        if self.report_delay is not None:
+            landed = self.report_delay(landed)
+        for done in landed:
+            self.ledger.finish(done.ticket, done.ok, done.error)
 
     def _settle(self) -> None:
         """Apply every ticket the commit frontier covers, in issue order."""
