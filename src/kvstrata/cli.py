@@ -37,7 +37,7 @@ from .config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, WRITE_POLICIES
 #: (docs/benchmarks.md, "CPU threads"), while they gain at most ~1.3x on an idle machine.
 DEFAULT_THREADS = 1
 #: ``kvstrata bench NAME`` runs ``kvstrata.benchmarks.NAME.run_main``.
-BENCHMARKS = ("radix", "prefill", "planner", "transfer", "workload", "memory")
+BENCHMARKS = ("radix", "prefill", "planner", "transfer", "workload", "memory", "cp")
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
