@@ -251,6 +251,8 @@ def _run_replay(args: argparse.Namespace) -> int:
         lookahead=args.lookahead,
     )
     summary = run_replay(cfg, progress=not args.no_progress)
+    if summary.rank != 0:  # one rank of torchrun's world: rank 0 reports
+        return EXIT_OK
     print(summary.table())
     for line in summary.problems():
         print(line)

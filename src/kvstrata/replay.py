@@ -228,6 +228,7 @@ class ReplaySummary:
     total_requests: int = 0
     tiers: TierReport | None = None  # what the L2 host tier did (None without one)
     tree: TreeStats | None = None  # the radix tree's own size at the end
+    rank: int = 0  # the CP rank that wrote this summary (only rank 0's is printed)
 
     @property
     def hit_ratio(self) -> float:
@@ -686,6 +687,7 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None, group: Grou
         total_requests=(workload.num_requests if workload is not None else None) or read,
         tiers=TierReport.of(engine),
         tree=engine.tree.stats(),
+        rank=group.rank,
     )
 
 
