@@ -1,0 +1,540 @@
+"""The spill pipeline of the disk tier: host pages -> staging -> slab slots -> index.
+
+Two threads, in commit order (FIFO), everything bounded::
+
+    spill(ticket, pages) ─▶ jobs (≤ max_tickets) ─▶ GATHER thread
+        copy each page's payloads from the host pool into an aligned staging block, CRC them,
+        write the slot headers; post RELEASED(ticket) once the last page is copied, so the
+        caller unpins its host slots before any disk I/O
+    ─▶ staged (one entry per staging block) ─▶ WRITER thread, a batch at a time:
+        apply touches and drops; GC: if the batch would lift the slabs past the high watermark,
+        delete the coldest pages' index entries (one durable commit) and free their slots down to
+        the low watermark; allocate slots; pwrite every payload's slot; fdatasync every slab;
+        commit the batch's index entries (one durable commit); post SPILLED(ticket) when all
+        its pages are durable or failed
+
+The writer thread is the only one that changes the slot pool or the index while the store runs.
+A failed write, sync or commit is counted and reported, and its slots go back to the free list;
+nothing here raises to the caller. A bug in a thread is kept and raised by ``DiskStore.poll()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import lmdb
+import torch
+
+from .disk_format import SLOT_HEADER_BYTES, SlabFile, SlotHeader, aligned_buffer, crc32c
+from .disk_index import DiskIndex
+from .disk_slots import SlotPool
+from .host_pool import HostPool
+from .page_hash import Namespace
+
+log = logging.getLogger("kvstrata.disk")
+#: How long a thread waits on an empty queue before it looks at the stop flag again.
+POLL_S = 0.05
+#: Control messages (touches, drops) waiting for the writer; more touches are dropped and counted.
+CONTROL_CAP = 4096
+#: Pages no longer on disk kept for ``poll()``; older ones are counted as unreported.
+DROPPED_CAP = 65536
+
+
+class RateLimitedLog:
+    """At most one warning per kind every ``every_s`` seconds (wall clock only paces logging)."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -self.every_s) < self.every_s:
+                return
+            self._last[kind] = now
+        log.warning("disk tier: %s", message)
+
+
+COUNTERS = (
+    "spills",  # spill tickets accepted
+    "spills_refused",  # spill tickets refused (too many in flight)
+    "pages_written",  # pages made durable by a write
+    "bytes_written",
+    "pages_present",  # pages a spill found already on disk
+    "skipped_admission",  # pages under min_hits
+    "skipped_full",  # pages with no free slot even after GC
+    "write_errors",  # pages lost to a failed write, fdatasync or index commit
+    "index_errors",  # failed index commits of GC, touches or drops
+    "reloads",  # reload tickets (async reads) accepted
+    "pages_read",  # pages read, verified and copied to the host pool
+    "bytes_read",
+    "read_misses",  # pages asked for that the index does not hold
+    "verify_failures",  # pages whose slot failed verification (now dropped)
+    "read_errors",  # pages lost to an I/O error or timeout while reading (now dropped)
+    "read_races",  # pages dropped by GC while they were read (a miss, not an error)
+    "gc_reclaimed",  # pages GC removed
+    "load_pages",  # pages a load cold start found valid
+    "load_dropped",  # index entries a load cold start dropped
+    "load_truncated",  # slabs a load cold start found truncated (and extended)
+    "touches_dropped",  # LRU touches lost to a full control queue
+    "dropped_unreported",  # dropped pages poll() no longer lists (it was not called for long)
+)
+
+
+class Counters:
+    """Cumulative counts, bumped from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._n = dict.fromkeys(COUNTERS, 0)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._n[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._n)
+
+
+@dataclass(frozen=True, slots=True)
+class SpillDone:
+    """Where every page of spill ``ticket`` ended: on disk (written now or found there), not on
+    disk (no room, I/O error, store closing), or skipped by admission (fewer hits than min_hits)."""
+
+    ticket: int
+    durable: tuple[bytes, ...]
+    failed: tuple[bytes, ...]
+    skipped: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadDone:
+    """Reload ``ticket``: ``ok[i]`` when page ``i`` was read, verified and copied to its host
+    slot. Reading stops at the first page that fails (the prefix past it is unusable)."""
+
+    ticket: int
+    ok: tuple[bool, ...]
+
+
+@dataclass(eq=False)
+class SpillJob:
+    ticket: int
+    pages: list[tuple[bytes, int]]  # (page hash, host slot) to write
+    host_pool: HostPool
+    skipped: list[bytes]
+    durable: list[bytes] = field(default_factory=list)
+    failed: list[bytes] = field(default_factory=list)
+    pending: int = 0  # pages handed to the writer and not finished
+    released: bool = False
+
+
+class Events:
+    """Completions waiting for ``poll()``, and the count of jobs still running (for ``flush``)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.released: list[int] = []
+        self.spilled: list[SpillDone] = []
+        self.reloaded: list[ReloadDone] = []
+        self.dropped: deque[bytes] = deque()
+        self.running = 0  # spill and reload jobs submitted and not finished
+
+    def start(self) -> None:
+        with self.cond:
+            self.running += 1
+
+    def release(self, job: SpillJob) -> None:
+        with self.cond:
+            assert not job.released
+            job.released = True
+            self.released.append(job.ticket)
+            self._maybe_done(job)
+
+    def page_done(self, job: SpillJob, page_hash: bytes, ok: bool) -> None:
+        with self.cond:
+            (job.durable if ok else job.failed).append(page_hash)
+            job.pending -= 1
+            self._maybe_done(job)
+
+    def _maybe_done(self, job: SpillJob) -> None:
+        if job.released and job.pending == 0:
+            done = SpillDone(job.ticket, tuple(job.durable), tuple(job.failed), tuple(job.skipped))
+            self.spilled.append(done)
+            self.running -= 1
+            self.cond.notify_all()
+
+    def reload_done(self, done: ReloadDone) -> None:
+        with self.cond:
+            self.reloaded.append(done)
+            self.running -= 1
+            self.cond.notify_all()
+
+    def drop(self, hashes: list[bytes], counters: Counters) -> None:
+        with self.cond:
+            self.dropped.extend(hashes)
+            over = len(self.dropped) - DROPPED_CAP
+            for _ in range(max(over, 0)):
+                self.dropped.popleft()
+        if over > 0:
+            counters.add(dropped_unreported=over)
+
+
+class Staging:
+    """``num_blocks`` aligned blocks, each one page's slots for every payload, back to back."""
+
+    def __init__(self, slot_bytes: list[int], num_blocks: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.offsets = [sum(slot_bytes[:k]) for k in range(len(slot_bytes))]
+        self.block_bytes = sum(slot_bytes)
+        self.num_blocks = num_blocks
+        self._buf = aligned_buffer(self.block_bytes * num_blocks)
+        self.view = memoryview(self._buf)
+        self.tensor = torch.frombuffer(self._buf, dtype=torch.uint8)
+        self._free: queue.Queue[int] = queue.Queue(maxsize=num_blocks)
+        for b in range(num_blocks):
+            self._free.put_nowait(b)
+
+    def slot(self, block: int, kind: int) -> memoryview:
+        start = block * self.block_bytes + self.offsets[kind]
+        return self.view[start : start + self.slot_bytes[kind]]
+
+    def payload(self, block: int, kind: int, nbytes: int) -> torch.Tensor:
+        start = block * self.block_bytes + self.offsets[kind] + SLOT_HEADER_BYTES
+        return self.tensor[start : start + nbytes]
+
+    def acquire(self, stop: threading.Event) -> int | None:
+        """A free block, waiting for the writer to return one; None once ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                return self._free.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+        return None
+
+    def release(self, block: int) -> None:
+        self._free.put_nowait(block)
+
+
+def host_page_bytes(host_pool: HostPool, payload: str, host_slot: int) -> list[torch.Tensor]:
+    """The page's bytes of ``payload`` in layer order, as uint8 views into the host pool: one
+    view of all layers in ``page_first``, one per layer in ``layer_first``."""
+    if host_pool.host_layout == "page_first":
+        slab = host_slot // host_pool.slots_per_slab
+        row = host_slot - slab * host_pool.slots_per_slab
+        return [host_pool.slab_tensor(payload, 0, slab)[row].reshape(-1).view(torch.uint8)]
+    return [
+        host_pool.page(payload, layer, host_slot).reshape(-1).view(torch.uint8)
+        for layer in range(host_pool.layout.num_layers)
+    ]
+
+
+@dataclass(eq=False)
+class _Staged:
+    job: SpillJob
+    page_hash: bytes
+    block: int
+
+
+class SpillPipeline:
+    """The gather and writer threads of one store (module docstring)."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        rank: int,
+        slabs: list[SlabFile],
+        index: DiskIndex,
+        pool: SlotPool,
+        state_lock: threading.Lock,
+        counters: Counters,
+        events: Events,
+        staging: Staging,
+        high_slots: int,
+        low_slots: int,
+        max_tickets: int,
+        warn: RateLimitedLog,
+    ) -> None:
+        self.ns, self.rank, self.slabs, self.index, self.pool = namespace, rank, slabs, index, pool
+        self.state_lock, self.counters, self.events, self.staging = (
+            state_lock,
+            counters,
+            events,
+            staging,
+        )
+        self.high_slots, self.low_slots, self.warn = high_slots, low_slots, warn
+        self.num_payloads = len(slabs)
+        self.payload_len = [namespace.payload_bytes(k) for k in range(self.num_payloads)]
+        # A batch never spans more than the watermark gap, so GC keeps usage inside it.
+        self.batch_pages = max(1, min(staging.num_blocks // 2, high_slots - low_slots))
+        self.jobs: queue.Queue[SpillJob] = queue.Queue(maxsize=max_tickets)
+        self.staged: queue.Queue[_Staged] = queue.Queue(maxsize=staging.num_blocks)
+        self.control: queue.Queue[tuple[str, bytes, int]] = queue.Queue(maxsize=CONTROL_CAP)
+        self.stop = threading.Event()
+        self.crash: BaseException | None = None
+        self._dirty: dict[bytes, tuple[int, int]] = {}  # touched pages: hash -> (slot, last)
+        self.threads = [
+            threading.Thread(
+                target=self._guard,
+                args=(self._gather_loop,),
+                name="kvstrata-l3-gather",
+                daemon=True,
+            ),
+            threading.Thread(
+                target=self._guard, args=(self._write_loop,), name="kvstrata-l3-write", daemon=True
+            ),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _guard(self, loop: Callable[[], None]) -> None:
+        try:
+            loop()
+        except BaseException as err:  # a bug: keep it for poll() to raise, stop the pipeline
+            self.crash = err
+            self.stop.set()
+            log.exception("disk tier: %s failed", threading.current_thread().name)
+
+    # -- caller side -----------------------------------------------------------------------------
+
+    def submit(self, job: SpillJob) -> bool:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            return False
+        return True
+
+    def send(self, what: str, page_hash: bytes, slot: int = -1) -> bool:
+        """Queue a control message for the writer (``touch`` or ``drop``); False when full."""
+        try:
+            self.control.put_nowait((what, page_hash, slot))
+        except queue.Full:
+            return False
+        return True
+
+    # -- gather thread ---------------------------------------------------------------------------
+
+    def _gather_loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                job = self.jobs.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            self._gather(job)
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """After stop: jobs never gathered end as failed (their host slots released)."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.failed.extend(h for h, _ in job.pages)
+            self.events.release(job)
+
+    def _gather(self, job: SpillJob) -> None:
+        with self.index.read() as txn:
+            present = [
+                self.index.page(txn, self.ns.digest, self.rank, h, self.num_payloads) is not None
+                for h, _ in job.pages
+            ]
+        todo = [page for page, found in zip(job.pages, present, strict=True) if not found]
+        for (h, _), found in zip(job.pages, present, strict=True):
+            if found:
+                job.durable.append(h)
+                self.send("touch", h)
+        self.counters.add(pages_present=len(job.pages) - len(todo))
+        with self.events.cond:
+            job.pending = len(todo)
+        for i, (h, host_slot) in enumerate(todo):
+            block = self.staging.acquire(self.stop)
+            if block is None:  # closing: the pages not copied yet are not spilled
+                for rest_hash, _ in todo[i:]:
+                    self.events.page_done(job, rest_hash, ok=False)
+                break
+            for kind, spec in enumerate(self.ns.payloads):
+                dst = self.staging.payload(block, kind, self.payload_len[kind])
+                at = 0
+                for src in host_page_bytes(job.host_pool, spec.name, host_slot):
+                    dst[at : at + src.numel()].copy_(src)
+                    at += src.numel()
+                slot = self.staging.slot(block, kind)
+                body = slot[SLOT_HEADER_BYTES : SLOT_HEADER_BYTES + self.payload_len[kind]]
+                SlotHeader(kind, h, self.payload_len[kind], crc32c(body)).pack_into(slot)
+            if i == len(todo) - 1:
+                self.events.release(job)  # before the last page reaches the writer
+            self.staged.put_nowait(_Staged(job, h, block))
+        if not job.released:
+            self.events.release(job)
+
+    # -- writer thread ---------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                first: _Staged | None = self.staged.get(timeout=POLL_S)
+            except queue.Empty:
+                first = None
+            with self.state_lock:
+                self._apply_control()
+                if first is None:
+                    self._flush_touches()
+                    if self.stop.is_set() and not any(t.is_alive() for t in self.threads[:1]):
+                        return
+                    continue
+                batch = [first]
+                while len(batch) < self.batch_pages:
+                    try:
+                        batch.append(self.staged.get_nowait())
+                    except queue.Empty:
+                        break
+                self._write(batch)
+                self._flush_touches()
+
+    def _apply_control(self) -> None:
+        while True:
+            try:
+                what, h, slot = self.control.get_nowait()
+            except queue.Empty:
+                return
+            if what == "touch":
+                found = self.pool.touch(h)
+                if found is not None:
+                    self._dirty[h] = found
+            elif what == "drop" and self.pool.slot_of(h) in (slot, None):
+                # A live page goes with its slot; an entry the pool never held (written by
+                # another process, or corrupt) goes alone. A page re-spilled meanwhile to
+                # another slot stays.
+                try:
+                    self.index.delete_pages(
+                        self.ns.digest, [h], self.num_payloads, rank=self.rank, slot=slot
+                    )
+                except lmdb.Error as err:
+                    self.counters.add(index_errors=1)
+                    self.warn.warn("index", f"cannot drop a failed page from the index: {err}")
+                    continue
+                if self.pool.slot_of(h) is not None:
+                    self.pool.remove(h)
+                    self._dirty.pop(h, None)
+                self.events.drop([h], self.counters)
+
+    def _flush_touches(self) -> None:
+        if not self._dirty:
+            return
+        pages = [(h, slot, last) for h, (slot, last) in self._dirty.items()]
+        self._dirty.clear()
+        try:
+            self.index.touch_pages(self.ns.digest, self.rank, pages, self.num_payloads)
+        except lmdb.Error as err:
+            self.counters.add(index_errors=1)
+            self.warn.warn("index", f"cannot record page accesses in the index: {err}")
+
+    def _gc(self, incoming: int) -> None:
+        """Before a write of ``incoming`` pages: from the high watermark down to the low one."""
+        used = self.pool.num_used
+        if used + incoming <= self.high_slots:
+            return
+        target = max(0, min(self.low_slots, self.high_slots - incoming))
+        victims = [h for h, _ in self.pool.coldest(used - target)]
+        if not victims:
+            return
+        try:  # the entries go first: a slot is reused only once no entry names it
+            self.index.delete_pages(self.ns.digest, victims, self.num_payloads, rank=self.rank)
+        except lmdb.Error as err:
+            self.counters.add(index_errors=1)
+            self.warn.warn("index", f"GC cannot delete index entries: {err}")
+            return
+        for h in victims:
+            self.pool.remove(h)
+            self._dirty.pop(h, None)
+        self.counters.add(gc_reclaimed=len(victims))
+        self.events.drop(victims, self.counters)
+
+    def _write(self, batch: list[_Staged]) -> None:
+        outcome: dict[int, bool] = {}  # id(item) -> durable
+        fresh: list[_Staged] = []
+        dupes: list[_Staged] = []
+        seen: set[bytes] = set()
+        for item in batch:
+            if item.page_hash in seen:  # the same page twice in one batch: write it once
+                outcome[id(item)] = True
+                dupes.append(item)
+                self.counters.add(pages_present=1)
+            elif (found := self.pool.touch(item.page_hash)) is not None:
+                outcome[id(item)] = True  # on disk already: a spill counts as an access
+                self._dirty[item.page_hash] = found
+                self.counters.add(pages_present=1)
+            else:
+                seen.add(item.page_hash)
+                fresh.append(item)
+        self._gc(len(fresh))
+        slotted: list[tuple[_Staged, int]] = []
+        for item in fresh:
+            slot = self.pool.alloc()
+            if slot is None:
+                outcome[id(item)] = False
+                self.counters.add(skipped_full=1)
+                self.warn.warn("full", "no free disk slot even after GC; a spill was skipped")
+            else:
+                slotted.append((item, slot))
+        written: list[tuple[_Staged, int]] = []
+        for item, slot in slotted:
+            try:
+                for kind, slab in enumerate(self.slabs):
+                    slab.write_slot(slot, self.staging.slot(item.block, kind))
+            except OSError as err:
+                self._lost([(item, slot)], outcome, f"write to slot {slot} failed: {err}")
+            else:
+                written.append((item, slot))
+        if written:
+            self._commit(written, outcome)
+        first = {item.page_hash: outcome[id(item)] for item in fresh}
+        for item in dupes:  # as durable as the copy that was written
+            outcome[id(item)] = first[item.page_hash]
+        for item in batch:
+            self.staging.release(item.block)
+            self.events.page_done(item.job, item.page_hash, outcome[id(item)])
+
+    def _commit(self, written: list[tuple[_Staged, int]], outcome: dict[int, bool]) -> None:
+        """fdatasync every slab, then publish the batch in one index commit."""
+        try:
+            for slab in self.slabs:
+                slab.sync()
+        except OSError as err:
+            self._lost(written, outcome, f"fdatasync failed: {err}")
+            return
+        pages = [
+            (item.page_hash, slot, self.pool.publish(item.page_hash, slot))
+            for item, slot in written
+        ]
+        try:
+            self.index.put_pages(self.ns.digest, self.rank, pages, self.num_payloads)
+        except lmdb.Error as err:
+            for item, _ in written:
+                self.pool.remove(item.page_hash)
+            for item, _ in written:
+                outcome[id(item)] = False
+            self.counters.add(write_errors=len(written))
+            self.warn.warn("write", f"index commit failed: {err}")
+            return
+        for item, _ in written:
+            outcome[id(item)] = True
+        nbytes = sum(s.geometry.slot_bytes for s in self.slabs) * len(written)
+        self.counters.add(pages_written=len(written), bytes_written=nbytes)
+
+    def _lost(self, items: list[tuple[_Staged, int]], outcome: dict[int, bool], why: str) -> None:
+        for item, slot in items:
+            self.pool.release(slot)
+            outcome[id(item)] = False
+        self.counters.add(write_errors=len(items))
+        self.warn.warn("write", why)

@@ -1,0 +1,675 @@
+"""The disk tier (L3) of one rank: the store the engine spills host pages to and reloads from.
+
+::
+
+    store = DiskStore(namespace, rank, DiskConfig(root, budget_bytes, start="load"))
+    store.spill(ticket, [(page_hash, host_slot, hits), ...], host_pool)   # async, FIFO
+    store.poll()          # DiskPoll: tickets whose host slots are free again, pages now durable
+                          # (or failed, or skipped by admission), reloads done, pages dropped
+    store.lookup(hashes)  # leading pages present (index only, no slab I/O)
+    store.read(hashes, host_pool, host_slots)     # synchronous: per page ok
+    store.reload(ticket, hashes, host_pool, host_slots)   # the same on the reader thread
+    store.check(fix=False); store.stats(); store.close()
+
+Layout under ``root``: ``index/`` (LMDB, ``disk_index.py``), ``slabs/`` (one slab file per
+namespace, rank and payload, ``disk_format.py``, and a lock file per namespace and rank). The
+budget is split into equal slot counts per payload: a page takes slot ``s`` of every payload's
+slab. Cold start ``clear`` empties this rank's index entries (slabs of the right geometry are kept,
+others recreated); ``load`` keeps them, cross-checks each against its slot headers and frees what
+does not check out (``disk_audit.audit_group``).
+
+Every read is verified (header magic, format, kind, hash, length, header and payload CRC-32C) and
+then confirmed against the index; a page that fails is a counted miss and is dropped from the
+index, so the host pool never receives bytes that are not the page's own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ..errors import ConfigError, DiskStoreError
+from .disk_audit import INDEX_DIR, SLAB_DIR, GroupAudit, Problem, audit_group
+from .disk_format import (
+    ALIGN,
+    CRC32C_HARDWARE,
+    RankLock,
+    SlabFile,
+    SlabGeometry,
+    check_slot,
+    lock_path,
+    probe_direct_io,
+)
+from .disk_index import MAP_BYTES_PER_ENTRY, DiskIndex
+from .disk_slots import SlotPool
+from .disk_spill import (
+    POLL_S,
+    Counters,
+    Events,
+    RateLimitedLog,
+    ReloadDone,
+    SpillDone,
+    SpillJob,
+    SpillPipeline,
+    Staging,
+    host_page_bytes,
+    log,
+)
+from .host_pool import HostPool
+from .page_hash import Namespace
+
+StartMode = Literal["clear", "load"]
+START_MODES: tuple[StartMode, ...] = ("clear", "load")
+IOMode = Literal["auto", "direct", "buffered"]
+IO_MODES: tuple[IOMode, ...] = ("auto", "direct", "buffered")
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """How one rank's disk tier is set up.
+
+    root: the directory (created if missing); several ranks and namespaces may share it.
+    budget_bytes: disk bytes this rank's slabs take, all payloads together, preallocated.
+    start: ``"clear"`` (start empty) or ``"load"`` (keep what the index holds, verified).
+    high_watermark / low_watermark: GC runs when a write would fill more than ``high`` of the
+        slots and frees the least recently used pages down to ``low``.
+    min_hits: pages spilled with fewer hits are skipped (frequency-gated admission, SSD wear).
+    io_mode: ``"direct"`` (O_DIRECT, refuse to start without it), ``"buffered"`` (page cache +
+        fdatasync), ``"auto"`` (O_DIRECT where the filesystem takes it, else buffered, reported
+        by ``stats().io_mode`` and a warning).
+    staging_bytes: aligned memory for pages between gather and write (at least 2 pages).
+    max_tickets: spill and reload tickets in flight or unpolled; more are refused.
+    io_timeout_s: the longest a read waits for one slot read or for another read to finish.
+    """
+
+    root: Path
+    budget_bytes: int
+    start: StartMode = "clear"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    min_hits: int = 1
+    io_mode: IOMode = "auto"
+    staging_bytes: int = 256 << 20
+    max_tickets: int = 64
+    io_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+        if self.start not in START_MODES:
+            raise ConfigError(f"disk start must be one of {START_MODES}, got {self.start!r}")
+        if self.io_mode not in IO_MODES:
+            raise ConfigError(f"disk io_mode must be one of {IO_MODES}, got {self.io_mode!r}")
+        if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
+            raise ConfigError(
+                "disk watermarks must satisfy 0 < low < high <= 1, got low "
+                f"{self.low_watermark!r}, high {self.high_watermark!r}"
+            )
+        for name, least in (
+            ("budget_bytes", 1),
+            ("min_hits", 0),
+            ("staging_bytes", 1),
+            ("max_tickets", 1),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"disk {name} must be an integer >= {least}, got {value!r}")
+        if not self.io_timeout_s > 0:
+            raise ConfigError(f"disk io_timeout_s must be > 0, got {self.io_timeout_s!r}")
+
+
+def _watermark_slots(config: DiskConfig, num_slots: int) -> tuple[int, int]:
+    """``(high, low)`` watermarks in slots."""
+    return int(config.high_watermark * num_slots), int(config.low_watermark * num_slots)
+
+
+@dataclass(frozen=True, slots=True)
+class DiskPoll:
+    """What finished since the last ``poll()``.
+
+    released: spill tickets whose host slots the store no longer reads (unpin them).
+    spilled: spill tickets whose every page is durable, failed or skipped (after ``released``).
+    reloaded: reload tickets done.
+    dropped: pages no longer on disk (GC, or a read that failed verification).
+    """
+
+    released: tuple[int, ...] = ()
+    spilled: tuple[SpillDone, ...] = ()
+    reloaded: tuple[ReloadDone, ...] = ()
+    dropped: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStats:
+    """Counters (``disk_spill.COUNTERS``) and the store's state."""
+
+    io_mode: str
+    crc32c_hardware: bool
+    num_slots: int
+    used_slots: int
+    high_slots: int
+    low_slots: int
+    page_bytes: int  # disk bytes of one page, all payloads, headers and padding included
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> int:
+        try:
+            return self.counters[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+@dataclass(eq=False)
+class _ReloadJob:
+    ticket: int
+    hashes: list[bytes]
+    host_pool: HostPool
+    host_slots: list[int]
+
+
+class DiskStore:
+    """One rank's disk tier: preallocated slabs, the index, the spill and reload threads."""
+
+    def __init__(self, namespace: Namespace, rank: int, config: DiskConfig) -> None:
+        if not 0 <= rank < namespace.cp_size:
+            raise ConfigError(f"rank {rank} is outside [0, {namespace.cp_size}) (the cp_size)")
+        self.namespace, self.rank, self.config = namespace, rank, config
+        self._closed = True
+        self._warn = RateLimitedLog()
+        self.counters = Counters()
+        num_payloads = len(namespace.payloads)
+        self._payload_len = [namespace.payload_bytes(k) for k in range(num_payloads)]
+        geoms = [
+            SlabGeometry(namespace.digest, rank, k, num_payloads, p.name, self._payload_len[k], 1)
+            for k, p in enumerate(namespace.payloads)
+        ]
+        page_bytes = sum(g.slot_bytes for g in geoms)
+        num_slots = (config.budget_bytes - num_payloads * ALIGN) // page_bytes
+        self.high_slots, self.low_slots = _watermark_slots(config, num_slots)
+        if self.low_slots < 1 or self.high_slots <= self.low_slots:
+            least = 1
+            while not 1 <= _watermark_slots(config, least)[1] < _watermark_slots(config, least)[0]:
+                least += 1
+            raise ConfigError(
+                f"a disk budget of {config.budget_bytes:,} bytes holds {max(num_slots, 0)} pages of "
+                f"{page_bytes:,} bytes, too few for the watermarks; give it at least "
+                f"{least * page_bytes + num_payloads * ALIGN:,} bytes ({least} pages)"
+            )
+        self.num_slots, self.page_bytes = num_slots, page_bytes
+        self._geoms = [
+            SlabGeometry(
+                g.namespace,
+                rank,
+                g.payload_kind,
+                num_payloads,
+                g.payload_name,
+                g.payload_len,
+                num_slots,
+            )
+            for g in geoms
+        ]
+        slab_dir = config.root / SLAB_DIR
+        try:
+            slab_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise DiskStoreError(
+                f"cannot create {slab_dir}: {err.strerror}; give the disk tier a writable directory"
+            ) from None
+        self.io_mode = self._choose_io(slab_dir)
+        self._lock = RankLock(lock_path(slab_dir, namespace.digest, rank))
+        self._slabs: list[SlabFile] = []
+        self._index: DiskIndex | None = None
+        try:
+            self._index = DiskIndex(
+                config.root / INDEX_DIR, map_size=num_slots * num_payloads * MAP_BYTES_PER_ENTRY
+            )
+            self.pool = SlotPool(num_slots)
+            if config.start == "clear":
+                self._start_clear(slab_dir)
+            else:
+                self._start_load(slab_dir)
+            self._start_threads()
+        except BaseException:
+            self._release_files()
+            raise
+        self._closed = False
+
+    # -- start -----------------------------------------------------------------------------------
+
+    def _choose_io(self, slab_dir: Path) -> str:
+        if self.config.io_mode == "buffered":
+            return "buffered"
+        why = probe_direct_io(slab_dir)
+        if why is None:
+            return "direct"
+        if self.config.io_mode == "direct":
+            raise DiskStoreError(
+                f"O_DIRECT is unavailable in {slab_dir} ({why}); use a filesystem that supports "
+                "it or the buffered I/O mode"
+            )
+        log.warning(
+            "disk tier: O_DIRECT unavailable in %s (%s); using buffered I/O + fdatasync",
+            slab_dir,
+            why,
+        )
+        return "buffered"
+
+    def _check_room(self, slab_dir: Path, reuse: list[bool]) -> None:
+        need = sum(g.file_bytes for g, kept in zip(self._geoms, reuse, strict=True) if not kept)
+        st = os.statvfs(slab_dir)
+        have = st.f_bavail * st.f_frsize + sum(
+            (slab_dir / g.file_name()).stat().st_size
+            for g, kept in zip(self._geoms, reuse, strict=True)
+            if not kept and (slab_dir / g.file_name()).exists()
+        )
+        if need > have:
+            raise DiskStoreError(
+                f"the disk tier needs {need / 2**30:.2f} GiB in {slab_dir}, which has "
+                f"{have / 2**30:.2f} GiB free; lower the disk budget or free space"
+            )
+
+    def _start_clear(self, slab_dir: Path) -> None:
+        reuse = []
+        for g in self._geoms:
+            found, size = SlabFile.read_geometry(slab_dir / g.file_name())
+            reuse.append(found == g and size >= g.file_bytes)
+        self._check_room(slab_dir, reuse)
+        direct = self.io_mode == "direct"
+        for g, kept in zip(self._geoms, reuse, strict=True):
+            path = slab_dir / g.file_name()
+            self._slabs.append(
+                SlabFile(path, g, direct) if kept else SlabFile.create(path, g, direct)
+            )
+        assert self._index is not None
+        self._index.clear(self.namespace.digest, self.rank)
+
+    def _start_load(self, slab_dir: Path) -> None:
+        direct = self.io_mode == "direct"
+        exists = [(slab_dir / g.file_name()).exists() for g in self._geoms]
+        self._check_room(slab_dir, exists)
+        for g, found in zip(self._geoms, exists, strict=True):
+            path = slab_dir / g.file_name()
+            if found:
+                slab, truncated = SlabFile.open_existing(path, g, direct)
+                self.counters.add(load_truncated=int(truncated))
+            else:
+                slab = SlabFile.create(path, g, direct)
+            self._slabs.append(slab)
+        assert self._index is not None
+        audit = audit_group(
+            self._index, self.namespace.digest, self.rank, self._slabs, payload=False, fix=True
+        )
+        for problem in audit.problems[:20]:
+            log.warning("disk tier load: dropped %s", problem)
+        self.pool.rebuild(audit.pages)
+        self.counters.add(load_pages=len(audit.pages), load_dropped=len(audit.problems))
+
+    def _start_threads(self) -> None:
+        cfg = self.config
+        num_blocks = max(2, cfg.staging_bytes // self.page_bytes)
+        self._events = Events()
+        self._state_lock = threading.Lock()
+        staging = Staging([g.slot_bytes for g in self._geoms], num_blocks)
+        assert self._index is not None
+        self._spill = SpillPipeline(
+            self.namespace,
+            self.rank,
+            self._slabs,
+            self._index,
+            self.pool,
+            self._state_lock,
+            self.counters,
+            self._events,
+            staging,
+            self.high_slots,
+            self.low_slots,
+            cfg.max_tickets,
+            self._warn,
+        )
+        # Two read buffers: the next page's read runs while this one is verified and copied.
+        self._read_bufs = [Staging([g.slot_bytes for g in self._geoms], 1) for _ in range(2)]
+        self._read_lock = threading.Lock()
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-io")
+        self._reloads: queue.Queue[_ReloadJob] = queue.Queue(maxsize=cfg.max_tickets)
+        self._reader = threading.Thread(
+            target=self._reload_loop, name="kvstrata-l3-reload", daemon=True
+        )
+        self._reader.start()
+        self._open_tickets = 0  # submitted and not yet returned by poll()
+
+    # -- spill -----------------------------------------------------------------------------------
+
+    def _check_host_pool(self, host_pool: HostPool, host_slots: Sequence[int]) -> None:
+        if (
+            host_pool.layout != self.namespace.layout
+            or host_pool.page_size != self.namespace.page_size
+        ):
+            raise ConfigError(
+                "the host pool's layout or page size differs from the disk namespace's: "
+                f"{host_pool.layout} / {host_pool.page_size} vs {self.namespace.layout} / "
+                f"{self.namespace.page_size}"
+            )
+        bad = [s for s in host_slots if not 0 <= s < host_pool.num_slots]
+        if bad:
+            raise ConfigError(f"host slots {bad[:5]} are outside [0, {host_pool.num_slots})")
+
+    def _take_ticket(self) -> bool:
+        with self._events.cond:
+            if self._closed or self._open_tickets >= self.config.max_tickets:
+                return False
+            self._open_tickets += 1
+            self._events.running += 1
+            return True
+
+    def spill(
+        self, ticket: int, pages: Sequence[tuple[bytes, int, int]], host_pool: HostPool
+    ) -> bool:
+        """Spill ``(page hash, host slot, hits)`` pages in this order, asynchronously.
+
+        Returns False when refused (``max_tickets`` in flight, or closed): nothing was queued and
+        the host slots are the caller's again. Otherwise ``poll()`` reports the ticket twice:
+        in ``released`` once the host slots are copied (keep them pinned until then), and in
+        ``spilled`` when every page is durable, failed, or skipped (hits < ``min_hits``).
+        """
+        self._raise_crash()
+        self._check_host_pool(host_pool, [slot for _, slot, _ in pages])
+        if not self._take_ticket():
+            self.counters.add(spills_refused=1)
+            return False
+        admit = [(h, slot) for h, slot, hits in pages if hits >= self.config.min_hits]
+        skipped = [h for h, _, hits in pages if hits < self.config.min_hits]
+        self.counters.add(spills=1, skipped_admission=len(skipped))
+        job = SpillJob(ticket, admit, host_pool, skipped)
+        ok = self._spill.submit(job)
+        assert ok, "the job queue holds max_tickets, as many as may be open"
+        return True
+
+    def poll(self) -> DiskPoll:
+        """Completions since the last call (non-blocking). Raises only if a store thread hit a
+        bug; I/O failures are counted and reported in the result."""
+        self._raise_crash()
+        ev = self._events
+        with ev.cond:
+            out = DiskPoll(
+                tuple(ev.released), tuple(ev.spilled), tuple(ev.reloaded), tuple(ev.dropped)
+            )
+            ev.released.clear()
+            ev.spilled.clear()
+            ev.reloaded.clear()
+            ev.dropped.clear()
+            self._open_tickets -= len(out.spilled) + len(out.reloaded)
+        return out
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every accepted spill and reload finished; False if ``timeout_s`` ran out."""
+        with self._events.cond:
+            return self._events.cond.wait_for(lambda: self._events.running == 0, timeout_s)
+
+    def _raise_crash(self) -> None:
+        if not self._closed and self._spill.crash is not None:
+            raise self._spill.crash
+
+    # -- lookup and read -------------------------------------------------------------------------
+
+    def lookup(self, page_hashes: Sequence[bytes]) -> int:
+        """How many of ``page_hashes``, from the first, have every payload on disk (index only)."""
+        assert self._index is not None
+        return self._index.leading(self.namespace.digest, self.rank, page_hashes, len(self._slabs))
+
+    def touch(self, page_hashes: Sequence[bytes]) -> None:
+        """Mark pages recently used (for GC); best effort."""
+        for h in page_hashes:
+            if not self._spill.send("touch", h):
+                self.counters.add(touches_dropped=1)
+
+    def read(
+        self, page_hashes: Sequence[bytes], host_pool: HostPool, host_slots: Sequence[int]
+    ) -> list[bool]:
+        """Read pages into ``host_slots`` of ``host_pool``, verified; ``ok[i]`` per page.
+
+        Reading stops at the first page that is absent or fails verification (the prefix past
+        it is unusable); a failed page is counted and dropped from the index. A page is copied to
+        its host slot only after it verified, so a False page leaves its slot as it was.
+        """
+        if len(page_hashes) != len(host_slots):
+            raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
+        self._check_host_pool(host_pool, host_slots)
+        ok = [False] * len(page_hashes)
+        if self._closed:
+            return ok
+        if not self._read_lock.acquire(timeout=self.config.io_timeout_s):
+            self._warn.warn("read", "a read waited too long for another one; reported as misses")
+            self.counters.add(read_errors=len(page_hashes))
+            return ok
+        try:
+            self._read_locked(page_hashes, host_pool, host_slots, ok)
+        finally:
+            self._read_lock.release()
+        return ok
+
+    def _read_locked(
+        self,
+        hashes: Sequence[bytes],
+        host_pool: HostPool,
+        host_slots: Sequence[int],
+        ok: list[bool],
+    ) -> None:
+        assert self._index is not None
+        ns, num_payloads = self.namespace.digest, len(self._slabs)
+        slots: list[int] = []
+        with self._index.read() as txn:
+            for h in hashes:
+                entry = self._index.page(txn, ns, self.rank, h, num_payloads)
+                if entry is None:
+                    break
+                slots.append(entry.slot)
+        self.counters.add(read_misses=len(hashes) - len(slots))
+        bad = next((i for i, s in enumerate(slots) if not 0 <= s < self.num_slots), None)
+        if bad is not None:  # an entry past the slab (another process's, or corrupt): a miss
+            why = f"slot {slots[bad]} past the slab's {self.num_slots}"
+            self._failed_read(hashes[bad], slots[bad], "verify_failures", why)
+            slots = slots[:bad]
+        timeout = self.config.io_timeout_s
+        pending = self._io.submit(self._read_slot, slots[0], 0) if slots else None
+        try:
+            for i, slot in enumerate(slots):
+                assert pending is not None
+                try:
+                    io_error = pending.result(timeout=timeout)
+                except concurrent.futures.TimeoutError:
+                    pending = None
+                    self._read_bufs = [Staging(self._read_bufs[0].slot_bytes, 1) for _ in range(2)]
+                    self._failed_read(
+                        hashes[i], slot, "read_errors", f"a slot read took over {timeout} s"
+                    )
+                    return
+                pending = (
+                    self._io.submit(self._read_slot, slots[i + 1], (i + 1) % 2)
+                    if i + 1 < len(slots)
+                    else None
+                )
+                buf = self._read_bufs[i % 2]
+                why = io_error
+                kind = "read_errors"
+                if why is None:
+                    kind = "verify_failures"
+                    for k in range(num_payloads):
+                        why = check_slot(buf.slot(0, k), k, hashes[i], self._payload_len[k])
+                        if why is not None:
+                            why = f"payload {self.namespace.payloads[k].name}: {why}"
+                            break
+                if why is not None:
+                    self._failed_read(
+                        hashes[i], slot, kind, f"page {hashes[i].hex()[:16]} slot {slot}: {why}"
+                    )
+                    return
+                # The bytes are this page's unless GC freed and rewrote the slot meanwhile, which
+                # needs the entry gone first: an entry still there after the read vouches for them.
+                with self._index.read() as txn:
+                    entry = self._index.page(txn, ns, self.rank, hashes[i], num_payloads)
+                if entry is None or entry.slot != slot:
+                    self.counters.add(read_races=1)
+                    return
+                for k, spec in enumerate(self.namespace.payloads):
+                    src, at = buf.payload(0, k, self._payload_len[k]), 0
+                    for dst in host_page_bytes(host_pool, spec.name, host_slots[i]):
+                        dst.copy_(src[at : at + dst.numel()])
+                        at += dst.numel()
+                ok[i] = True
+                self.counters.add(pages_read=1, bytes_read=self.page_bytes)
+        finally:
+            if pending is not None:
+                try:
+                    pending.result(timeout=timeout)
+                except concurrent.futures.TimeoutError:
+                    self._read_bufs = [Staging(self._read_bufs[0].slot_bytes, 1) for _ in range(2)]
+            self.touch([h for h, good in zip(hashes, ok, strict=False) if good])
+
+    def _read_slot(self, slot: int, which: int) -> str | None:
+        """Read every payload's slot into read buffer ``which``; None, or why it failed."""
+        buf = self._read_bufs[which]
+        for k, slab in enumerate(self._slabs):
+            view = buf.slot(0, k)
+            try:
+                got = slab.read_slot(slot, view)
+            except OSError as err:
+                return f"read error: {err.strerror}"
+            if got < len(view):
+                return f"short read: {got} of {len(view)} bytes (a truncated slab?)"
+        return None
+
+    def _failed_read(self, page_hash: bytes, slot: int, counter: str, why: str) -> None:
+        self.counters.add(**{counter: 1})
+        self._warn.warn("read", f"{why}; a miss, the page is dropped")
+        self._spill.send("drop", page_hash, slot)
+
+    def reload(
+        self,
+        ticket: int,
+        page_hashes: Sequence[bytes],
+        host_pool: HostPool,
+        host_slots: Sequence[int],
+    ) -> bool:
+        """:meth:`read` on the reader thread; ``poll()`` reports ``ReloadDone(ticket, ok)``.
+        Returns False when refused (``max_tickets`` in flight, or closed)."""
+        self._raise_crash()
+        if len(page_hashes) != len(host_slots):
+            raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
+        self._check_host_pool(host_pool, host_slots)
+        if not self._take_ticket():
+            return False
+        self.counters.add(reloads=1)
+        self._reloads.put_nowait(_ReloadJob(ticket, list(page_hashes), host_pool, list(host_slots)))
+        return True
+
+    def _reload_loop(self) -> None:
+        while True:
+            try:
+                job = self._reloads.get(timeout=POLL_S)
+            except queue.Empty:
+                if self._spill.stop.is_set():
+                    return
+                continue
+            ok = (
+                self.read(job.hashes, job.host_pool, job.host_slots)
+                if not self._spill.stop.is_set()
+                else [False] * len(job.hashes)
+            )
+            self._events.reload_done(ReloadDone(job.ticket, tuple(ok)))
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def stats(self) -> DiskStats:
+        return DiskStats(
+            io_mode=self.io_mode,
+            crc32c_hardware=CRC32C_HARDWARE,
+            num_slots=self.num_slots,
+            used_slots=self.pool.num_used,
+            high_slots=self.high_slots,
+            low_slots=self.low_slots,
+            page_bytes=self.page_bytes,
+            counters=self.counters.snapshot(),
+        )
+
+    def check(self, fix: bool = False, payload: bool = True) -> list[Problem]:
+        """Audit this rank's slabs and index entries against each other and against the slot
+        pool (the spill threads wait meanwhile); with ``fix``, drop what does not check out.
+        Returns the problems found (empty when clean). Raises ``PoolInvariantError`` when the
+        slot pool's own invariants are broken (a bug)."""
+        assert self._index is not None
+        with self._state_lock:
+            self.pool.check()
+            audit: GroupAudit = audit_group(
+                self._index, self.namespace.digest, self.rank, self._slabs, payload=payload, fix=fix
+            )
+            problems = list(audit.problems)
+            on_disk = {h: slot for h, slot, _ in audit.pages}
+            live = {h: slot for h, slot, _ in self.pool.live()}
+            where = f"ns {self.namespace.short} rank {self.rank}"
+            for h, slot in live.items():
+                if on_disk.get(h) != slot:
+                    problems.append(
+                        Problem(
+                            "live-not-indexed",
+                            f"{where} page {h.hex()[:16]}",
+                            f"slot {slot} is live but its page does not check out",
+                        )
+                    )
+                    if fix:
+                        self._index.delete_pages(
+                            self.namespace.digest, [h], len(self._slabs), rank=self.rank
+                        )
+                        self.pool.remove(h)
+            for h, slot in on_disk.items():
+                if h not in live:
+                    problems.append(
+                        Problem(
+                            "indexed-not-live",
+                            f"{where} page {h.hex()[:16]}",
+                            f"the index names slot {slot}, which the store does not hold live",
+                        )
+                    )
+                    if fix:
+                        self._index.delete_pages(
+                            self.namespace.digest, [h], len(self._slabs), rank=self.rank
+                        )
+            self.pool.check()
+        return problems
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Finish accepted spills and reloads (up to ``timeout_s``), stop the threads, close
+        the files. Idempotent."""
+        if self._closed:
+            return
+        if not self.flush(timeout_s):
+            log.warning(
+                "disk tier: closing with spills or reloads still running after %s s", timeout_s
+            )
+        with self._events.cond:
+            self._closed = True
+        self._spill.stop.set()
+        for t in [*self._spill.threads, self._reader]:
+            t.join(timeout=timeout_s)
+            if t.is_alive():
+                log.warning("disk tier: thread %s did not stop within %s s", t.name, timeout_s)
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self._release_files()
+
+    def _release_files(self) -> None:
+        for slab in self._slabs:
+            slab.close()
+        self._slabs = []
+        if self._index is not None:
+            self._index.close()
+        self._lock.release()
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
