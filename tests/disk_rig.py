@@ -28,7 +28,9 @@ LAYOUT = KVLayout(
 NS = Namespace.for_layout("test-model", LAYOUT, PAGE)
 
 
-def host_pool(slots: int = 64, host_layout: HostLayout = "page_first", layout: KVLayout = LAYOUT) -> HostPool:
+def host_pool(
+    slots: int = 64, host_layout: HostLayout = "page_first", layout: KVLayout = LAYOUT
+) -> HostPool:
     return HostPool(layout, PAGE, slots, host_layout=host_layout, pin=False, check_memory=False)
 
 
@@ -48,7 +50,9 @@ def write_page(pool: HostPool, slot: int, page_hash: bytes) -> None:
         for layer in range(pool.layout.num_layers):
             dst = pool.page(spec.name, layer, slot).reshape(-1).view(torch.uint8)
             seed = page_hash + spec.name.encode() + bytes([layer])
-            dst.copy_(torch.frombuffer(bytearray(page_content(seed, dst.numel())), dtype=torch.uint8))
+            dst.copy_(
+                torch.frombuffer(bytearray(page_content(seed, dst.numel())), dtype=torch.uint8)
+            )
 
 
 def read_page(pool: HostPool, slot: int) -> bytes:
@@ -84,7 +88,9 @@ def budget_for(pages: int, ns: Namespace = NS) -> int:
     return pages * page + len(ns.payloads) * ALIGN
 
 
-def open_store(root: Path, pages: int = 100, ns: Namespace = NS, rank: int = 0, **kw: Any) -> DiskStore:
+def open_store(
+    root: Path, pages: int = 100, ns: Namespace = NS, rank: int = 0, **kw: Any
+) -> DiskStore:
     return DiskStore(ns, rank, DiskConfig(root, budget_for(pages, ns), **kw))
 
 
@@ -95,7 +101,9 @@ def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
         time.sleep(0.01)
 
 
-def spill_all(store: DiskStore, pool: HostPool, page_hashes_: list[bytes], ticket: int, hits: int = 1) -> DiskPoll:
+def spill_all(
+    store: DiskStore, pool: HostPool, page_hashes_: list[bytes], ticket: int, hits: int = 1
+) -> DiskPoll:
     """Write the pages into host slots 0.., spill them as one ticket, wait, and poll."""
     for slot, h in enumerate(page_hashes_):
         write_page(pool, slot, h)

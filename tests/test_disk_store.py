@@ -41,7 +41,9 @@ def io_mode(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize("host_layout", HOST_LAYOUTS)
-def test_round_trip_every_payload_byte(tmp_path: Path, io_mode: str, host_layout: HostLayout) -> None:
+def test_round_trip_every_payload_byte(
+    tmp_path: Path, io_mode: str, host_layout: HostLayout
+) -> None:
     src, dst = host_pool(host_layout=host_layout), host_pool(host_layout="page_first")
     pages = hashes(20)
     with open_store(tmp_path, io_mode=io_mode) as store:
@@ -60,11 +62,18 @@ def test_round_trip_every_payload_byte(tmp_path: Path, io_mode: str, host_layout
         assert store.check() == []
 
 
-@pytest.mark.parametrize("payloads", [
-    (PayloadSpec("kv_latent", (576,), "bfloat16"),),  # MLA: one payload, pages of odd size
-    (PayloadSpec("k", (1, 3), "float16"), PayloadSpec("v", (1, 3), "float16"),
-     PayloadSpec("scale", (7,), "uint8"), PayloadSpec("q", (2,), "int8")),
-])
+@pytest.mark.parametrize(
+    "payloads",
+    [
+        (PayloadSpec("kv_latent", (576,), "bfloat16"),),  # MLA: one payload, pages of odd size
+        (
+            PayloadSpec("k", (1, 3), "float16"),
+            PayloadSpec("v", (1, 3), "float16"),
+            PayloadSpec("scale", (7,), "uint8"),
+            PayloadSpec("q", (2,), "int8"),
+        ),
+    ],
+)
 def test_round_trip_other_geometries(tmp_path: Path, payloads: tuple[PayloadSpec, ...]) -> None:
     layout = KVLayout(2, payloads)
     ns = Namespace.for_layout("geo", layout, PAGE)
@@ -102,7 +111,9 @@ def test_admission_skips_pages_under_min_hits(tmp_path: Path) -> None:
     for slot, h in enumerate(pages):
         write_page(pool, slot, h)
     with open_store(tmp_path, min_hits=2) as store:
-        assert store.spill(1, [(pages[0], 0, 2), (pages[1], 1, 1), (pages[2], 2, 5), (pages[3], 3, 0)], pool)
+        assert store.spill(
+            1, [(pages[0], 0, 2), (pages[1], 1, 1), (pages[2], 2, 5), (pages[3], 3, 0)], pool
+        )
         assert store.flush(30)
         (done,) = store.poll().spilled
         assert done.durable == (pages[0], pages[2]) and done.skipped == (pages[1], pages[3])
@@ -115,7 +126,9 @@ def test_spilling_a_page_twice_writes_it_once(tmp_path: Path) -> None:
     pages = hashes(5)
     with open_store(tmp_path) as store:
         spill_all(store, pool, pages, ticket=1)
-        got = spill_all(store, pool, [*pages[2:], *hashes(2, seed=9), hashes(2, seed=9)[0]], ticket=2)
+        got = spill_all(
+            store, pool, [*pages[2:], *hashes(2, seed=9), hashes(2, seed=9)[0]], ticket=2
+        )
         assert len(got.spilled[0].durable) == 6
         stats = store.stats()
         assert stats.pages_written == 7 and stats.used_slots == 7 and stats.pages_present == 4
@@ -229,7 +242,9 @@ def test_clear_starts_empty_and_load_keeps_pages_and_lru(tmp_path: Path) -> None
         spill_all(store, pool, new, ticket=2)  # new pages take free slots, not live ones
         assert store.check() == []
         assert store.read(cold + warm + new, dst, list(range(16))) == [True] * 16
-        assert all(read_page(dst, i) == expected_page(dst, h) for i, h in enumerate(cold + warm + new))
+        assert all(
+            read_page(dst, i) == expected_page(dst, h) for i, h in enumerate(cold + warm + new)
+        )
     with open_store(tmp_path, pages=20, start="clear") as store:
         assert store.lookup(cold) == 0 and store.stats().used_slots == 0
     with open_store(tmp_path, pages=20, start="load") as store:
@@ -282,16 +297,25 @@ def test_load_refuses_a_slab_of_another_geometry(tmp_path: Path) -> None:
         assert store.num_slots == 30
 
 
-def test_direct_io_mode_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(disk_store_module, "probe_direct_io", lambda d: "O_DIRECT open failed: EINVAL")
+def test_direct_io_mode_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(
+        disk_store_module, "probe_direct_io", lambda d: "O_DIRECT open failed: EINVAL"
+    )
     with pytest.raises(DiskStoreError, match="O_DIRECT is unavailable"):
         open_store(tmp_path, io_mode="direct")
-    with caplog.at_level(logging.WARNING, logger="kvstrata.disk"), open_store(tmp_path, io_mode="auto") as store:
+    with (
+        caplog.at_level(logging.WARNING, logger="kvstrata.disk"),
+        open_store(tmp_path, io_mode="auto") as store,
+    ):
         assert store.stats().io_mode == "buffered"
     assert "O_DIRECT unavailable" in caplog.text
 
 
-def test_a_bug_in_a_thread_is_raised_by_poll(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bug_in_a_thread_is_raised_by_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kvstrata.tiers import disk_spill
 
     def broken(*args: object) -> list[torch.Tensor]:

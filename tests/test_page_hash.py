@@ -18,9 +18,7 @@ from kvstrata.config import KVLayout, PayloadSpec
 from kvstrata.errors import ConfigError, InvalidTokensError
 from kvstrata.tiers.page_hash import ROOT_HASH, Namespace, page_hashes
 
-LAYOUT = KVLayout(
-    2, (PayloadSpec("k", (2, 4), "bfloat16"), PayloadSpec("v", (2, 4), "bfloat16"))
-)
+LAYOUT = KVLayout(2, (PayloadSpec("k", (2, 4), "bfloat16"), PayloadSpec("v", (2, 4), "bfloat16")))
 NS = Namespace.for_layout("llama", LAYOUT, page_size=4, cp_size=2)
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -78,7 +76,9 @@ def test_every_namespace_field_changes_the_digest() -> None:
         dataclasses.replace(NS, cp_size=1),
         dataclasses.replace(NS, format_version=2),
         dataclasses.replace(NS, payloads=(PayloadSpec("k", (2, 4), "float16"), LAYOUT.payloads[1])),
-        dataclasses.replace(NS, payloads=(PayloadSpec("k", (4, 2), "bfloat16"), LAYOUT.payloads[1])),
+        dataclasses.replace(
+            NS, payloads=(PayloadSpec("k", (4, 2), "bfloat16"), LAYOUT.payloads[1])
+        ),
         dataclasses.replace(NS, payloads=LAYOUT.payloads[::-1]),
         dataclasses.replace(NS, payloads=(*LAYOUT.payloads, PayloadSpec("draft_k", (1, 4)))),
     ]

@@ -18,6 +18,7 @@ per process, so environments are shared and reference-counted here.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -35,8 +36,11 @@ INDEX_FORMAT = 1
 _FORMAT_KEY = b"format"
 #: Virtual size of the LMDB map when the store asks for less (address space, not disk).
 MIN_MAP_BYTES = 1 << 30
-#: Map bytes per index entry: a 66-byte key and 20-byte value in B-tree pages kept half full.
-MAP_BYTES_PER_ENTRY = 512
+#: Disk bytes reserved per index entry: a 66-byte key and 20-byte value (94 bytes with LMDB's
+#: node header) in B-tree pages at least half full, twice over for copy-on-write commits.
+RESERVE_BYTES_PER_ENTRY = 512
+#: Map (address space) bytes per entry: twice the reservation.
+MAP_BYTES_PER_ENTRY = 2 * RESERVE_BYTES_PER_ENTRY
 
 _ENVS: dict[str, tuple[lmdb.Environment, int]] = {}
 _ENVS_LOCK = threading.Lock()
@@ -136,6 +140,25 @@ class DiskIndex:
         except DiskFormatError:
             _release_env(self.env)
             raise
+
+    def reserve(self, nbytes: int) -> None:
+        """Preallocate the index file to ``nbytes`` so that commits never meet a full disk
+        (LMDB reuses freed pages and grows its file only past its last page)."""
+        path = self.path / "data.mdb"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as err:
+            raise DiskStoreError(f"cannot open {path}: {err.strerror}") from None
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError as err:
+            raise DiskStoreError(
+                f"cannot reserve {nbytes / 2**20:.1f} MiB for the disk index at {path}: "
+                f"{err.strerror}; lower the disk budget or free space"
+            ) from None
+        finally:
+            os.close(fd)
 
     # -- reads -----------------------------------------------------------------------------------
 

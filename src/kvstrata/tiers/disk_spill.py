@@ -168,7 +168,11 @@ class Events:
 
     def _maybe_done(self, job: SpillJob) -> None:
         if job.released and job.pending == 0:
-            done = SpillDone(job.ticket, tuple(job.durable), tuple(job.failed), tuple(job.skipped))
+            order = {h: i for i, (h, _) in enumerate(job.pages)}  # report in spill order
+            durable, failed = (
+                tuple(sorted(x, key=order.__getitem__)) for x in (job.durable, job.failed)
+            )
+            done = SpillDone(job.ticket, durable, failed, tuple(job.skipped))
             self.spilled.append(done)
             self.running -= 1
             self.cond.notify_all()

@@ -46,7 +46,7 @@ from .disk_format import (
     lock_path,
     probe_direct_io,
 )
-from .disk_index import MAP_BYTES_PER_ENTRY, DiskIndex
+from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, DiskIndex
 from .disk_slots import SlotPool
 from .disk_spill import (
     POLL_S,
@@ -220,14 +220,19 @@ class DiskStore:
             raise DiskStoreError(
                 f"cannot create {slab_dir}: {err.strerror}; give the disk tier a writable directory"
             ) from None
-        self.io_mode = self._choose_io(slab_dir)
+        # The lock first: it is also the check that the directory is writable at all.
         self._lock = RankLock(lock_path(slab_dir, namespace.digest, rank))
+        try:
+            self.io_mode = self._choose_io(slab_dir)
+        except BaseException:
+            self._lock.release()
+            raise
         self._slabs: list[SlabFile] = []
         self._index: DiskIndex | None = None
         try:
-            self._index = DiskIndex(
-                config.root / INDEX_DIR, map_size=num_slots * num_payloads * MAP_BYTES_PER_ENTRY
-            )
+            entries = num_slots * num_payloads * namespace.cp_size  # every rank's, at most
+            self._index = DiskIndex(config.root / INDEX_DIR, map_size=entries * MAP_BYTES_PER_ENTRY)
+            self._index.reserve(max(entries * RESERVE_BYTES_PER_ENTRY, 1 << 20))
             self.pool = SlotPool(num_slots)
             if config.start == "clear":
                 self._start_clear(slab_dir)
