@@ -74,8 +74,10 @@ def test_a_flipped_bit_is_a_counted_miss(tmp_path: Path, kind: int, where: int) 
         _flip(_slab(store, kind), store._slabs[kind].geometry.slot_offset(slot) + where)
         dst.tensors()[0].view(torch.uint8).fill_(0xAB)  # a sentinel the failed page must keep
         before = read_page(dst, 11)
-        assert store.read(pages, dst, [10, 11, 12]) == [True, False, False]
+        ok = store.read(pages, dst, [10, 11, 12])
+        assert ok[:2] == [True, False]  # page 2 may have been read alongside page 1
         assert read_page(dst, 10) == expected_page(dst, pages[0])
+        assert not ok[2] or read_page(dst, 12) == expected_page(dst, pages[2])
         assert read_page(dst, 11) == before  # nothing of the bad page reached the host pool
         assert store.stats().verify_failures == 1
         wait_until(lambda: store.lookup(pages) == 1)  # dropped from the index
@@ -93,10 +95,12 @@ def test_a_truncated_slab_is_a_miss_then_repaired_on_load(tmp_path: Path) -> Non
         geom = store._slabs[0].geometry
         os.truncate(_slab(store, 0), geom.slot_offset(8) + 100)
         assert store.read(pages, dst, list(range(10))) == [True] * 8 + [False] * 2
-        assert store.stats().read_errors == 1
+        dropped = store.stats().read_errors  # 2 when page 9 was read alongside page 8
+        assert dropped in (1, 2)
     with open_store(tmp_path, pages=20, start="load") as store:
         stats = store.stats()
-        assert stats.load_truncated == 1 and stats.load_pages == 8 and stats.load_dropped == 1
+        assert stats.load_truncated == 1 and stats.load_pages == 8
+        assert stats.load_dropped == 2 - dropped  # what the reads did not drop, load did
         assert _slab(store, 0).stat().st_size == geom.file_bytes
         assert store.lookup(pages) == 8 and store.check() == []
         spill_all(store, pool, pages, ticket=2)
@@ -188,7 +192,7 @@ def test_io_errors_are_counted_and_leak_no_slot(
             return real_read(self, slot, buf)
 
         monkeypatch.setattr(SlabFile, "read_slot", read_fails)
-        assert store.read(pages, dst, list(range(6))) == [True] * 4 + [False] * 2
+        assert store.read(pages, dst, list(range(6)))[:5] == [True] * 4 + [False]
         assert store.stats().read_errors == 1
         wait_until(lambda: store.lookup(pages) == 4)
         monkeypatch.undo()

@@ -29,6 +29,7 @@ import concurrent.futures
 import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,9 @@ class DiskConfig:
     staging_bytes: aligned memory for pages between gather and write (at least 2 pages).
     max_tickets: spill and reload tickets in flight or unpolled; more are refused.
     io_timeout_s: the longest a read waits for one slot read or for another read to finish.
+    read_threads: pages a read has in flight, each on a thread that reads, verifies and copies
+        it (so reads overlap each other's CRC and copy, and the disk sees that queue depth;
+        3 read fastest on the development machine, against 1, 2 and 4: docs/benchmarks.md).
     """
 
     root: Path
@@ -98,6 +102,7 @@ class DiskConfig:
     staging_bytes: int = 256 << 20
     max_tickets: int = 64
     io_timeout_s: float = 30.0
+    read_threads: int = 3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
@@ -115,6 +120,7 @@ class DiskConfig:
             ("min_hits", 0),
             ("staging_bytes", 1),
             ("max_tickets", 1),
+            ("read_threads", 1),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -336,10 +342,11 @@ class DiskStore:
             cfg.max_tickets,
             self._warn,
         )
-        # Two read buffers: the next page's read runs while this one is verified and copied.
-        self._read_bufs = [Staging([g.slot_bytes for g in self._geoms], 1) for _ in range(2)]
+        self._read_bufs = self._new_read_buffers()
         self._read_lock = threading.Lock()
-        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-io")
+        self._io = concurrent.futures.ThreadPoolExecutor(
+            cfg.read_threads, thread_name_prefix="kvstrata-l3-read"
+        )
         self._reloads: queue.Queue[_ReloadJob] = queue.Queue(maxsize=cfg.max_tickets)
         self._reader = threading.Thread(
             target=self._reload_loop, name="kvstrata-l3-reload", daemon=True
@@ -437,9 +444,11 @@ class DiskStore:
     ) -> list[bool]:
         """Read pages into ``host_slots`` of ``host_pool``, verified; ``ok[i]`` per page.
 
-        Reading stops at the first page that is absent or fails verification (the prefix past
-        it is unusable); a failed page is counted and dropped from the index. A page is copied to
-        its host slot only after it verified, so a False page leaves its slot as it was.
+        ``ok[i]`` is True exactly when host slot ``i`` now holds page ``i``, verified. Reading
+        stops at the first page that is absent or fails verification (the prefix past it is
+        unusable), so later pages are False unless they were read alongside it; a failed page is
+        counted and dropped from the index. A page is copied to its host slot only after it
+        verified, so a False page leaves its slot as it was.
         """
         if len(page_hashes) != len(host_slots):
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
@@ -476,81 +485,90 @@ class DiskStore:
         self.counters.add(read_misses=len(hashes) - len(slots))
         bad = next((i for i, s in enumerate(slots) if not 0 <= s < self.num_slots), None)
         if bad is not None:  # an entry past the slab (another process's, or corrupt): a miss
-            why = f"slot {slots[bad]} past the slab's {self.num_slots}"
-            self._failed_read(hashes[bad], slots[bad], "verify_failures", why)
+            past = f"slot {slots[bad]} past the slab's {self.num_slots}"
+            self._failed_read(hashes[bad], slots[bad], "verify_failures", past)
             slots = slots[:bad]
         timeout = self.config.io_timeout_s
-        pending = self._io.submit(self._read_slot, slots[0], 0) if slots else None
+        depth = len(self._read_bufs)
+        pending: deque[concurrent.futures.Future[tuple[str, str] | None]] = deque()
+
+        def submit(j: int, buf: Staging) -> None:
+            args = (hashes[j], slots[j], buf, host_pool, host_slots[j])
+            pending.append(self._io.submit(self._load_page, *args))
+
+        for j in range(min(depth, len(slots))):  # at most `depth` pages in flight
+            submit(j, self._read_bufs[j])
         try:
             for i, slot in enumerate(slots):
-                assert pending is not None
                 try:
-                    io_error = pending.result(timeout=timeout)
+                    failed = pending.popleft().result(timeout=timeout)
                 except concurrent.futures.TimeoutError:
-                    pending = None
-                    self._read_bufs = [Staging(self._read_bufs[0].slot_bytes, 1) for _ in range(2)]
-                    self._failed_read(
-                        hashes[i], slot, "read_errors", f"a slot read took over {timeout} s"
-                    )
+                    self._read_bufs = self._new_read_buffers()  # the stuck read keeps the old
+                    failed = ("read_errors", f"a slot read took over {timeout} s")
+                if failed is not None:
+                    self._failed_read(hashes[i], slot, *failed)
                     return
-                pending = (
-                    self._io.submit(self._read_slot, slots[i + 1], (i + 1) % 2)
-                    if i + 1 < len(slots)
-                    else None
-                )
-                buf = self._read_bufs[i % 2]
-                why = io_error
-                kind = "read_errors"
-                if why is None:
-                    kind = "verify_failures"
-                    for k in range(num_payloads):
-                        why = check_slot(buf.slot(0, k), k, hashes[i], self._payload_len[k])
-                        if why is not None:
-                            why = f"payload {self.namespace.payloads[k].name}: {why}"
-                            break
-                if why is not None:
-                    self._failed_read(
-                        hashes[i], slot, kind, f"page {hashes[i].hex()[:16]} slot {slot}: {why}"
-                    )
-                    return
-                # The bytes are this page's unless GC freed and rewrote the slot meanwhile, which
-                # needs the entry gone first: an entry still there after the read vouches for them.
-                with self._index.read() as txn:
-                    entry = self._index.page(txn, ns, self.rank, hashes[i], num_payloads)
-                if entry is None or entry.slot != slot:
-                    self.counters.add(read_races=1)
-                    return
-                for k, spec in enumerate(self.namespace.payloads):
-                    src, at = buf.payload(0, k, self._payload_len[k]), 0
-                    for dst in host_page_bytes(host_pool, spec.name, host_slots[i]):
-                        dst.copy_(src[at : at + dst.numel()])
-                        at += dst.numel()
                 ok[i] = True
-                self.counters.add(pages_read=1, bytes_read=self.page_bytes)
+                if i + depth < len(slots):  # page i's buffer is free again
+                    submit(i + depth, self._read_bufs[i % depth])
         finally:
-            if pending is not None:
-                try:
-                    pending.result(timeout=timeout)
+            first = len(slots) - len(pending)
+            for j, future in enumerate(pending, start=first):
+                if future.cancel():
+                    continue
+                try:  # a page read after one that failed still landed whole in its own slot
+                    failed = future.result(timeout=timeout)
                 except concurrent.futures.TimeoutError:
-                    self._read_bufs = [Staging(self._read_bufs[0].slot_bytes, 1) for _ in range(2)]
+                    self._read_bufs = self._new_read_buffers()
+                    continue
+                ok[j] = failed is None
+                if failed is not None:
+                    self._failed_read(hashes[j], slots[j], *failed)
+            pages_read = sum(ok)
+            self.counters.add(pages_read=pages_read, bytes_read=pages_read * self.page_bytes)
             self.touch([h for h, good in zip(hashes, ok, strict=False) if good])
 
-    def _read_slot(self, slot: int, which: int) -> str | None:
-        """Read every payload's slot into read buffer ``which``; None, or why it failed."""
-        buf = self._read_bufs[which]
+    def _new_read_buffers(self) -> list[Staging]:
+        # Twice the threads: a thread finds its next page queued while this one is collected.
+        depth = 2 * self.config.read_threads
+        return [Staging([g.slot_bytes for g in self._geoms], 1) for _ in range(depth)]
+
+    def _load_page(
+        self, page_hash: bytes, slot: int, buf: Staging, host_pool: HostPool, host_slot: int
+    ) -> tuple[str, str] | None:
+        """On a read thread: read every payload's slot into ``buf``, verify it, confirm it with
+        the index, copy it into the host slot. None when done, else ``(counter, why)``."""
         for k, slab in enumerate(self._slabs):
             view = buf.slot(0, k)
             try:
                 got = slab.read_slot(slot, view)
             except OSError as err:
-                return f"read error: {err.strerror}"
+                return "read_errors", f"read error: {err.strerror}"
             if got < len(view):
-                return f"short read: {got} of {len(view)} bytes (a truncated slab?)"
+                return "read_errors", f"short read: {got} of {len(view)} bytes (a truncated slab?)"
+            why = check_slot(view, k, page_hash, self._payload_len[k])
+            if why is not None:
+                return "verify_failures", f"payload {self.namespace.payloads[k].name}: {why}"
+        # The bytes are this page's unless GC freed and rewrote the slot meanwhile, which needs
+        # the entry gone first: an entry still there after the read vouches for them.
+        assert self._index is not None
+        with self._index.read() as txn:
+            entry = self._index.page(
+                txn, self.namespace.digest, self.rank, page_hash, len(self._slabs)
+            )
+        if entry is None or entry.slot != slot:
+            return "read_races", "the page was dropped while it was read"
+        for k, spec in enumerate(self.namespace.payloads):
+            buf.scatter(0, k, host_page_bytes(host_pool, spec.name, host_slot))
         return None
 
     def _failed_read(self, page_hash: bytes, slot: int, counter: str, why: str) -> None:
+        """Count a page that could not be read; drop it unless GC did (a race, not a fault)."""
         self.counters.add(**{counter: 1})
-        self._warn.warn("read", f"{why}; a miss, the page is dropped")
+        if counter == "read_races":
+            return
+        where = f"page {page_hash.hex()[:16]} slot {slot}"
+        self._warn.warn("read", f"{where}: {why}; a miss, the page is dropped")
         self._spill.send("drop", page_hash, slot)
 
     def reload(
