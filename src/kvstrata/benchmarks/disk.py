@@ -6,7 +6,8 @@ A host pool of ``--gib`` GiB of pages at a real model's page geometry (default L
 fdatasync, index commits) and read back (O_DIRECT reads, verification, copies into another host
 pool), then every byte is compared. In the same run, alternating with it, ``dd`` writes and reads
 the same number of bytes at the same block size (one slot) with ``oflag=direct conv=fdatasync`` /
-``iflag=direct`` into a preallocated file on the same filesystem, as the slabs are. ``ratio`` is
+``iflag=direct`` into a preallocated file on the same filesystem, as the slabs are, writing the
+same random bytes from memory (a file in /dev/shm), not zeros. ``ratio`` is
 ours over dd's (median of ``--repeat`` rounds). GB/s counts the bytes that reach the disk (slot
 headers and padding included, the same bytes dd moves).
 """
@@ -66,6 +67,9 @@ def build_parser() -> CommandParser:
     ap.add_argument(
         "--read-threads", type=int, default=3, help="the store's reads in flight (read_threads)"
     )
+    ap.add_argument(
+        "--write-threads", type=int, default=2, help="the store's writes in flight (write_threads)"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     return ap
 
@@ -99,6 +103,25 @@ def check_args(args: argparse.Namespace) -> None:
     page = _layout(args).page_bytes(args.page_size)
     pages = max(1, int(args.gib * 2**30) // page)
     check_fits([("two host pools", 2 * pages * page)], torch.device("cpu"), hint="lower --gib")
+
+
+def _dd_source(src: HostPool, nbytes: int, scratch: Path) -> Path:
+    """A file of the pool's (random) bytes for dd to write from, in memory (/dev/shm) where the
+    machine has it: dd then copies real data from RAM, as a spill does, not zeros a virtual disk
+    might short-cut."""
+    shm = Path("/dev/shm")
+    have = shutil.disk_usage(shm).free if shm.is_dir() else 0
+    path = shm / f"kvstrata-bench-disk-{os.getpid()}.src" if have > 2 * nbytes else scratch / "src"
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            for t in src.tensors():
+                chunk = t.view(torch.uint8).reshape(-1)[:left].numpy().tobytes()
+                f.write(chunk)
+                left -= len(chunk)
+                if left <= 0:
+                    break
+    return path
 
 
 def _dd(argv: list[str]) -> float:
@@ -173,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             os.posix_fallocate(f.fileno(), 0, disk_bytes)
         budget = (-(-pages * 100 // 94) + 2) * 2 * slot + 2 * 4096  # under the high watermark
         count = disk_bytes // slot
+        dd_source = _dd_source(src, disk_bytes, scratch)
         dd_write = [
-            "if=/dev/zero",
+            f"if={dd_source}",
             f"of={dd_file}",
             f"bs={slot}",
             f"count={count}",
@@ -184,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         dd_read = [f"if={dd_file}", "of=/dev/null", f"bs={slot}", f"count={count}", "iflag=direct"]
         for r in range(args.repeat):
             cfg = DiskConfig(
-                scratch / "l3", budget, io_mode=args.io_mode, read_threads=args.read_threads
+                scratch / "l3",
+                budget,
+                io_mode=args.io_mode,
+                read_threads=args.read_threads,
+                write_threads=args.write_threads,
             )
             with DiskStore(ns, 0, cfg) as store:
                 io_mode = store.io_mode
@@ -212,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
+        Path(f"/dev/shm/kvstrata-bench-disk-{os.getpid()}.src").unlink(missing_ok=True)
     med = {k: statistics.median(v) / 1e9 for k, v in rounds.items()}
     spill_ratio, reload_ratio = med["spill"] / med["dd_write"], med["reload"] / med["dd_read"]
     print(

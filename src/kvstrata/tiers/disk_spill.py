@@ -20,6 +20,7 @@ nothing here raises to the caller. A bug in a thread is kept and raised by ``Dis
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import logging
 import queue
@@ -278,7 +279,10 @@ class _Staged:
 class _Batch:
     """Pages written since the last sync: durable together at the next commit."""
 
-    written: list[tuple[_Staged, int]] = field(default_factory=list)  # (page, slot)
+    # (page, slot, its write in flight)
+    written: list[tuple[_Staged, int, concurrent.futures.Future[None]]] = field(
+        default_factory=list
+    )
     dupes: list[_Staged] = field(default_factory=list)
     hashes: set[bytes] = field(default_factory=set)
 
@@ -301,6 +305,8 @@ class SpillPipeline:
         low_slots: int,
         max_tickets: int,
         warn: RateLimitedLog,
+        write_threads: int = 1,
+        io_timeout_s: float = 30.0,
     ) -> None:
         self.ns, self.rank, self.slabs, self.index, self.pool = namespace, rank, slabs, index, pool
         self.state_lock, self.counters, self.events, self.staging = (
@@ -318,6 +324,12 @@ class SpillPipeline:
         self.staged: queue.Queue[_Staged] = queue.Queue(maxsize=staging.num_blocks)
         self.control: queue.Queue[tuple[str, bytes, int]] = queue.Queue(maxsize=CONTROL_CAP)
         self.stop = threading.Event()
+        # Slot writes of a batch run on these threads (the disk sees that queue depth); the
+        # writer thread keeps the slot pool, GC, the syncs and the index to itself.
+        self.io_timeout_s = io_timeout_s
+        self._writers = concurrent.futures.ThreadPoolExecutor(
+            write_threads, thread_name_prefix="kvstrata-l3-pwrite"
+        )
         self.crash: BaseException | None = None
         self._dirty: dict[bytes, tuple[int, int]] = {}  # touched pages: hash -> (slot, last)
         self.threads = [
@@ -341,6 +353,10 @@ class SpillPipeline:
             self.crash = err
             self.stop.set()
             log.exception("disk tier: %s failed", threading.current_thread().name)
+
+    def shutdown(self) -> None:
+        """After the threads stopped: let the write pool's threads go."""
+        self._writers.shutdown(wait=False, cancel_futures=True)
 
     # -- caller side -----------------------------------------------------------------------------
 
@@ -519,21 +535,31 @@ class SpillPipeline:
             self.warn.warn("full", "no free disk slot even after GC; a spill was skipped")
             self._finish(item, False)
             return
-        try:
-            for kind, slab in enumerate(self.slabs):
-                slab.write_slot(slot, self.staging.slot(item.block, kind))
-        except OSError as err:
-            self.pool.release(slot)
-            self.counters.add(write_errors=1)
-            self.warn.warn("write", f"write to slot {slot} failed: {err}")
-            self._finish(item, False)
-            return
-        batch.written.append((item, slot))
+        batch.written.append(
+            (item, slot, self._writers.submit(self._write_slots, slot, item.block))
+        )
         batch.hashes.add(h)
 
+    def _write_slots(self, slot: int, block: int) -> None:
+        for kind, slab in enumerate(self.slabs):
+            slab.write_slot(slot, self.staging.slot(block, kind))
+
     def _commit(self, batch: _Batch) -> None:
-        """fdatasync every slab, then publish the batch in one index commit."""
-        written = batch.written
+        """Wait for the batch's writes, fdatasync every slab, then publish the pages written in
+        one index commit."""
+        written: list[tuple[_Staged, int]] = []
+        for item, slot, future in batch.written:
+            try:
+                future.result(timeout=self.io_timeout_s)
+            except (OSError, concurrent.futures.TimeoutError) as err:
+                # A write that is stuck may still land later: whatever it leaves in the slot has
+                # this page's header, which no index entry will name, so it reads as a miss.
+                self.pool.release(slot)
+                self.counters.add(write_errors=1)
+                self.warn.warn("write", f"write to slot {slot} failed: {err!r}")
+                self._finish(item, False)
+            else:
+                written.append((item, slot))
         ok = False
         try:
             for slab in self.slabs:
@@ -561,6 +587,7 @@ class SpillPipeline:
                 self.counters.add(pages_written=len(written), bytes_written=nbytes)
         for item, _ in written:
             self._finish(item, ok)
-        for item in batch.dupes:
-            self._finish(item, ok)
+        durable = {item.page_hash for item, _ in written} if ok else set()
+        for item in batch.dupes:  # as durable as the copy that was written
+            self._finish(item, item.page_hash in durable)
         self._flush_touches()

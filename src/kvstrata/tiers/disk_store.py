@@ -90,6 +90,8 @@ class DiskConfig:
     read_threads: pages a read has in flight, each on a thread that reads, verifies and copies
         it (so reads overlap each other's CRC and copy, and the disk sees that queue depth;
         3 read fastest on the development machine, against 1, 2 and 4: docs/benchmarks.md).
+    write_threads: slot writes a spill batch has in flight (the writer thread still allocates
+        slots, collects garbage, syncs and commits alone).
     """
 
     root: Path
@@ -103,6 +105,7 @@ class DiskConfig:
     max_tickets: int = 64
     io_timeout_s: float = 30.0
     read_threads: int = 3
+    write_threads: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
@@ -121,6 +124,7 @@ class DiskConfig:
             ("staging_bytes", 1),
             ("max_tickets", 1),
             ("read_threads", 1),
+            ("write_threads", 1),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -341,6 +345,8 @@ class DiskStore:
             self.low_slots,
             cfg.max_tickets,
             self._warn,
+            write_threads=cfg.write_threads,
+            io_timeout_s=cfg.io_timeout_s,
         )
         self._read_bufs = self._new_read_buffers()
         self._read_lock = threading.Lock()
@@ -681,6 +687,7 @@ class DiskStore:
             if t.is_alive():
                 log.warning("disk tier: thread %s did not stop within %s s", t.name, timeout_s)
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._spill.shutdown()
         self._release_files()
 
     def _release_files(self) -> None:
