@@ -284,6 +284,10 @@ def test_bad_configuration_is_refused(tmp_path: Path) -> None:
             store.spill(1, [], host_pool(layout=KVLayout(1, LAYOUT.payloads)))
         with pytest.raises(ConfigError, match="outside"):
             store.read(hashes(1), host_pool(), [64])
+        with pytest.raises(ConfigError, match="32 bytes"):
+            store.lookup([b"short"])
+        with pytest.raises(ConfigError, match="32 bytes"):
+            store.spill(1, [(b"x" * 31, 0, 1)], host_pool())
 
 
 def test_load_refuses_a_slab_of_another_geometry(tmp_path: Path) -> None:

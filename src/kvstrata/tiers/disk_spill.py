@@ -347,12 +347,15 @@ class SpillPipeline:
             t.start()
 
     def _guard(self, loop: Callable[[], None]) -> None:
+        """Run a store thread's loop; a bug in it is kept for ``poll()`` to raise."""
         try:
             loop()
         except BaseException as err:  # a bug: keep it for poll() to raise, stop the pipeline
             self.crash = err
             self.stop.set()
             log.exception("disk tier: %s failed", threading.current_thread().name)
+            with self.events.cond:  # wake a flush() waiting for work this thread will not do
+                self.events.cond.notify_all()
 
     def shutdown(self) -> None:
         """After the threads stopped: let the write pool's threads go."""

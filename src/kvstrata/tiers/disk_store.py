@@ -63,7 +63,7 @@ from .disk_spill import (
     log,
 )
 from .host_pool import HostPool
-from .page_hash import Namespace
+from .page_hash import HASH_BYTES, Namespace
 
 StartMode = Literal["clear", "load"]
 START_MODES: tuple[StartMode, ...] = ("clear", "load")
@@ -145,7 +145,9 @@ class DiskPoll:
     released: spill tickets whose host slots the store no longer reads (unpin them).
     spilled: spill tickets whose every page is durable, failed or skipped (after ``released``).
     reloaded: reload tickets done.
-    dropped: pages no longer on disk (GC, or a read that failed verification).
+    dropped: pages no longer on disk (GC, or a read that failed verification). A page can be
+        in ``dropped`` and in a ``spilled`` ticket's ``durable`` of one poll (dropped and spilled
+        again, or the other way round): ``lookup`` says which holds now.
     """
 
     released: tuple[int, ...] = ()
@@ -355,7 +357,10 @@ class DiskStore:
         )
         self._reloads: queue.Queue[_ReloadJob] = queue.Queue(maxsize=cfg.max_tickets)
         self._reader = threading.Thread(
-            target=self._reload_loop, name="kvstrata-l3-reload", daemon=True
+            target=self._spill._guard,
+            args=(self._reload_loop,),
+            name="kvstrata-l3-reload",
+            daemon=True,
         )
         self._reader.start()
         self._open_tickets = 0  # submitted and not yet returned by poll()
@@ -376,6 +381,14 @@ class DiskStore:
         if bad:
             raise ConfigError(f"host slots {bad[:5]} are outside [0, {host_pool.num_slots})")
 
+    @staticmethod
+    def _check_hashes(page_hashes: Sequence[bytes]) -> None:
+        bad = [h for h in page_hashes if not isinstance(h, bytes) or len(h) != HASH_BYTES]
+        if bad:
+            raise ConfigError(
+                f"page hashes are {HASH_BYTES} bytes (page_hash.page_hashes), got {bad[0]!r}"
+            )
+
     def _take_ticket(self) -> bool:
         with self._events.cond:
             if self._closed or self._open_tickets >= self.config.max_tickets:
@@ -395,6 +408,7 @@ class DiskStore:
         ``spilled`` when every page is durable, failed, or skipped (hits < ``min_hits``).
         """
         self._raise_crash()
+        self._check_hashes([h for h, _, _ in pages])
         self._check_host_pool(host_pool, [slot for _, slot, _ in pages])
         if not self._take_ticket():
             self.counters.add(spills_refused=1)
@@ -425,8 +439,10 @@ class DiskStore:
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every accepted spill and reload finished; False if ``timeout_s`` ran out."""
-        with self._events.cond:
-            return self._events.cond.wait_for(lambda: self._events.running == 0, timeout_s)
+        ev = self._events
+        with ev.cond:  # a crashed thread finishes nothing more: no use waiting for it
+            ev.cond.wait_for(lambda: ev.running == 0 or self._spill.crash is not None, timeout_s)
+            return ev.running == 0
 
     def _raise_crash(self) -> None:
         if not self._closed and self._spill.crash is not None:
@@ -435,8 +451,11 @@ class DiskStore:
     # -- lookup and read -------------------------------------------------------------------------
 
     def lookup(self, page_hashes: Sequence[bytes]) -> int:
-        """How many of ``page_hashes``, from the first, have every payload on disk (index only)."""
-        assert self._index is not None
+        """How many of ``page_hashes``, from the first, have every payload on disk (index only;
+        0 once closed)."""
+        self._check_hashes(page_hashes)
+        if self._closed or self._index is None:
+            return 0
         return self._index.leading(self.namespace.digest, self.rank, page_hashes, len(self._slabs))
 
     def touch(self, page_hashes: Sequence[bytes]) -> None:
@@ -458,6 +477,7 @@ class DiskStore:
         """
         if len(page_hashes) != len(host_slots):
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
+        self._check_hashes(page_hashes)
         self._check_host_pool(host_pool, host_slots)
         ok = [False] * len(page_hashes)
         if self._closed:
@@ -589,6 +609,7 @@ class DiskStore:
         self._raise_crash()
         if len(page_hashes) != len(host_slots):
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
+        self._check_hashes(page_hashes)
         self._check_host_pool(host_pool, host_slots)
         if not self._take_ticket():
             return False
