@@ -51,6 +51,18 @@ BASE = {
     "bench planner": ["bench", "planner", "--leaves", "20", "--pages", "4", "--deficit", "10"],
     "bench workload": ["bench", "workload", "--trace", "builtin"],
     "bench memory": ["bench", "memory", "--sizes", "2", "--l1-tokens", "300000"],
+    "bench cp": [
+        "bench",
+        "cp",
+        "--cp",
+        "1",
+        "--prefixes",
+        "16",
+        "--extend",
+        "4",
+        "--replay-trace",
+        "builtin",
+    ],
     "bench transfer": [
         "bench",
         "transfer",
@@ -182,6 +194,11 @@ def test_bench_transfer_flags() -> None:
 
 def test_bench_workload_flags() -> None:
     fuzz("bench workload", 30)
+
+
+@pytest.mark.slow
+def test_bench_cp_flags() -> None:
+    fuzz("bench cp", 12)  # a valid --cp starts rank processes
 
 
 @pytest.mark.slow

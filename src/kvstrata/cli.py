@@ -8,6 +8,7 @@ kvstrata bench planner  one owner-lane eviction plan on the production fork's wo
 kvstrata bench transfer batched page copies device <-> host against a contiguous pinned copy
 kvstrata bench workload workload statistics: sizes, unique tokens, ideal hit ratio
 kvstrata bench memory   peak RSS of a streamed replay at several workload sizes
+kvstrata bench cp       bytes moved and step time of both CP attention strategies, cp = 1, 2, 4
 kvstrata bench disk     spill and reload through the disk tier against dd with O_DIRECT
 kvstrata disk check     audit a disk tier directory: slabs against the index (--fix repairs)
 
@@ -39,7 +40,7 @@ from .config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, WRITE_POLICIES
 #: (docs/benchmarks.md, "CPU threads"), while they gain at most ~1.3x on an idle machine.
 DEFAULT_THREADS = 1
 #: ``kvstrata bench NAME`` runs ``kvstrata.benchmarks.NAME.run_main``.
-BENCHMARKS = ("radix", "prefill", "planner", "transfer", "workload", "memory", "disk")
+BENCHMARKS = ("radix", "prefill", "planner", "transfer", "workload", "memory", "cp", "disk")
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -116,6 +117,35 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         default=2,
         metavar="N",
         help="with write_through_selective: back a node up once it has N hits",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="context-parallel ranks: N local processes (gloo on CPU, one GPU each with NCCL); "
+        "under torchrun, its world instead. Sizes stay per rank: N ranks cache N times more",
+    )
+    p.add_argument(
+        "--cp-attention",
+        choices=["auto", "move_kv", "move_queries"],
+        default="auto",
+        help="how ranks get the keys other ranks own: move_kv (exchange K/V, bytes grow with "
+        "the context), move_queries (exchange queries and partial outputs, bytes grow with the "
+        "extend), or auto (the cheaper per step by bytes moved)",
+    )
+    p.add_argument(
+        "--cp-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="timeout of every collective: a rank that dies or hangs fails the run, named",
+    )
+    p.add_argument(
+        "--check-digests",
+        action="store_true",
+        help="under --cp: compare allocator digests and the tree hash across ranks after every "
+        "step, and fail naming the first that differs",
     )
     p.add_argument(
         "--chunk-size", type=int, default=2048, help="max tokens a request computes per step"
@@ -206,6 +236,8 @@ def _run_replay(args: argparse.Namespace) -> int:
             host_layout=args.host_layout,
             write_policy=args.write_policy,
             write_through_hits=args.write_through_hits,
+            cp_attention=args.cp_attention,
+            check_digests=args.check_digests,
             chunk_size=args.chunk_size,
             max_batch_tokens=args.max_batch_tokens,
             max_batch_requests=args.max_batch_requests,
@@ -217,9 +249,13 @@ def _run_replay(args: argparse.Namespace) -> int:
         on_error=args.on_error,
         seed=args.seed,
         threads=args.threads,
+        cp=args.cp,
+        cp_timeout_s=args.cp_timeout,
         lookahead=args.lookahead,
     )
     summary = run_replay(cfg, progress=not args.no_progress)
+    if summary.rank != 0:  # one rank of torchrun's world: rank 0 reports
+        return EXIT_OK
     print(summary.table())
     for line in summary.problems():
         print(line)
@@ -313,7 +349,7 @@ def _run_check_model(args: argparse.Namespace) -> int:
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks (radix, prefill, planner, transfer, workload, memory, disk); each prints a table and a JSON line",
+        help="benchmarks (radix, prefill, planner, transfer, workload, memory, cp, disk); each prints a table and a JSON line",
         description="Run a benchmark. Arguments after the name go to the benchmark "
         "(kvstrata bench radix --help).",
     )

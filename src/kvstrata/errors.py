@@ -25,6 +25,8 @@ Everything kvstrata raises on purpose derives from :class:`KVStrataError`::
     │   │                        required but missing, or a store that cannot be opened
     │   └── DiskFormatError      a slab or index of another geometry or format version
     ├── WorkloadError            a malformed trace file (line number in the message)
+    ├── CollectiveError          a collective across CP ranks failed or timed out (names the step)
+    ├── DivergenceError          ranks' replicated state or configuration differ (names what)
     └── RequestError             one request cannot be served (the others are unaffected)
 
 Programmer errors inside kvstrata are ``assert``-ed; errors caused by input from the outside world
@@ -116,6 +118,16 @@ class DiskFormatError(DiskStoreError):
 
 class WorkloadError(KVStrataError):
     """A trace or workload file is malformed."""
+
+
+class CollectiveError(KVStrataError):
+    """A collective across context-parallel ranks failed or timed out: a peer died, hung, or
+    runs a different configuration. The message names the operation and the engine step."""
+
+
+class DivergenceError(KVStrataError):
+    """Ranks that must hold identical replicated state (allocator digests, tree hash) or
+    configuration do not; the message names the first component that differs."""
 
 
 class RequestError(KVStrataError):

@@ -34,6 +34,31 @@ from ..ownership import page_span
 PageTable = torch.Tensor | npt.NDArray[np.integer] | Sequence[int]
 
 
+class ContextParallel(Protocol):
+    """What a forward under context parallelism needs from the rank group (implemented by
+    ``kvstrata.dist.attention.CPStep``): attention whose keys other ranks hold, the last-token
+    rows other ranks computed, and per-request values summed over ranks."""
+
+    all_tokens: torch.Tensor  # [T] every extend token of the step, on every rank
+    all_positions: torch.Tensor  # [T]
+    mine: torch.Tensor  # [T] bool: the tokens this rank computes
+    ext_offsets: tuple[int, ...]  # where each request's extend starts in ``all_tokens``
+    prefix_last_rows: torch.Tensor  # per request: this rank's pool row of its last prefix token
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+    def gather_last(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def share(self, values: torch.Tensor) -> torch.Tensor: ...
+
+
 class LayerHooks(Protocol):
     """Called by a forward around each layer: the tier movers' way in (load-back waits for a
     layer's copy before it reads the pool; write-through copies a layer out once it is written)."""
@@ -65,6 +90,7 @@ class ForwardBatch:
     write_index: torch.Tensor
     read_index: tuple[torch.Tensor, ...]
     last_index: torch.Tensor
+    cp: ContextParallel | None = None  # set under context parallelism: this rank's share
 
     @property
     def num_requests(self) -> int:
