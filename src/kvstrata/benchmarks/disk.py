@@ -32,11 +32,13 @@ from ..config import KVLayout, PayloadSpec
 from ..errors import ConfigError
 from ..limits import check_fits
 from ..tiers.disk_format import CRC32C_HARDWARE, round_up
-from ..tiers.disk_store import IO_MODES, DiskConfig, DiskStore
+from ..tiers.disk_store import IO_MODES, MAX_IO_THREADS, DiskConfig, DiskStore
 from ..tiers.host_pool import HostPool
 from ..tiers.page_hash import Namespace
 
 PROG = "kvstrata bench disk"
+#: More rounds than this is a typo, not a measurement.
+_MAX_REPEAT = 100
 _DD_RATE = re.compile(r"^(\d+) bytes .* copied, ([\d.]+) s", re.MULTILINE)
 
 
@@ -96,6 +98,12 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.gib <= 1024:
         raise ConfigError(f"--gib must lie in (0, 1024], got {args.gib}")
+    if args.repeat > _MAX_REPEAT:
+        raise ConfigError(f"--repeat must be <= {_MAX_REPEAT}, got {args.repeat}")
+    for name in ("read_threads", "write_threads"):
+        if getattr(args, name) > MAX_IO_THREADS:
+            flag = name.replace("_", "-")
+            raise ConfigError(f"--{flag} must be <= {MAX_IO_THREADS}, got {getattr(args, name)}")
     if not Path(args.dir).is_dir():
         raise ConfigError(f"--dir {args.dir} is not a directory")
     if shutil.which("dd") is None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..errors import ConfigError, DiskStoreError
+from ..errors import CapacityError, ConfigError, DiskStoreError
 from .disk_audit import INDEX_DIR, SLAB_DIR, GroupAudit, Problem, audit_group
 from .disk_format import (
     ALIGN,
@@ -62,9 +62,11 @@ from .disk_spill import (
     host_page_bytes,
     log,
 )
-from .host_pool import HostPool
+from .host_pool import HostPool, mem_available_bytes
 from .page_hash import HASH_BYTES, Namespace
 
+#: More I/O threads than this buy nothing on any disk and cost a read buffer pair each.
+MAX_IO_THREADS = 64
 StartMode = Literal["clear", "load"]
 START_MODES: tuple[StartMode, ...] = ("clear", "load")
 IOMode = Literal["auto", "direct", "buffered"]
@@ -129,6 +131,11 @@ class DiskConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"disk {name} must be an integer >= {least}, got {value!r}")
+        for name in ("read_threads", "write_threads"):
+            if getattr(self, name) > MAX_IO_THREADS:
+                raise ConfigError(
+                    f"disk {name} must be at most {MAX_IO_THREADS}, got {getattr(self, name)}"
+                )
         if not self.io_timeout_s > 0:
             raise ConfigError(f"disk io_timeout_s must be > 0, got {self.io_timeout_s!r}")
 
@@ -329,6 +336,14 @@ class DiskStore:
     def _start_threads(self) -> None:
         cfg = self.config
         num_blocks = max(2, cfg.staging_bytes // self.page_bytes)
+        need = (num_blocks + 2 * cfg.read_threads) * self.page_bytes
+        available = mem_available_bytes()
+        if available is not None and need > available:
+            raise CapacityError(
+                f"the disk tier's staging and read buffers take {need / 2**30:.2f} GiB, more "
+                f"than the {available / 2**30:.2f} GiB available; lower staging_bytes or "
+                "read_threads"
+            )
         self._events = Events()
         self._state_lock = threading.Lock()
         staging = Staging([g.slot_bytes for g in self._geoms], num_blocks)
