@@ -204,7 +204,7 @@ def test_a_read_waits_a_bounded_time(tmp_path: Path) -> None:
     pages = hashes(2)
     with open_store(tmp_path, io_timeout_s=0.2) as store:
         spill_all(store, pool, pages, ticket=1)
-        with store._read_lock:  # another read that never ends
+        with store._reader._read_lock:  # another read that never ends
             assert store.read(pages, pool, [5, 6]) == [False, False]
         assert store.stats().read_errors == 2
         assert store.read(pages, pool, [5, 6]) == [True, True]

@@ -31,8 +31,9 @@ from ..command import CommandParser, HelpFormatter, run_command
 from ..config import KVLayout, PayloadSpec
 from ..errors import ConfigError
 from ..limits import check_fits
+from ..tiers.disk_config import IO_MODES, MAX_IO_THREADS, DiskConfig
 from ..tiers.disk_format import CRC32C_HARDWARE, round_up
-from ..tiers.disk_store import IO_MODES, MAX_IO_THREADS, DiskConfig, DiskStore
+from ..tiers.disk_store import DiskStore
 from ..tiers.host_pool import HostPool
 from ..tiers.page_hash import Namespace
 

@@ -21,251 +21,25 @@ nothing here raises to the caller. A bug in a thread is kept and raised by ``Dis
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
-import logging
 import queue
 import threading
-import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import lmdb
-import torch
 
-from .disk_format import SLOT_HEADER_BYTES, SlabFile, SlotHeader, aligned_buffer, crc32c
+from .disk_buffers import Staging, host_page_bytes
+from .disk_events import POLL_S, Counters, Events, RateLimitedLog, SpillJob, log
+from .disk_format import SLOT_HEADER_BYTES, SlabFile, SlotHeader, crc32c
 from .disk_index import DiskIndex
 from .disk_slots import SlotPool
-from .host_pool import HostPool
 from .page_hash import Namespace
 
-log = logging.getLogger("kvstrata.disk")
-#: How long a thread waits on an empty queue before it looks at the stop flag again.
-POLL_S = 0.05
 #: How long the writer waits for another page before it syncs the pages written so far: one
 #: fdatasync per slab and one index commit serve the whole batch.
 LINGER_S = 0.005
 #: Control messages (touches, drops) waiting for the writer; more touches are dropped and counted.
 CONTROL_CAP = 4096
-#: Pages no longer on disk kept for ``poll()``; older ones are counted as unreported.
-DROPPED_CAP = 65536
-
-
-class RateLimitedLog:
-    """At most one warning per kind every ``every_s`` seconds (wall clock only paces logging)."""
-
-    def __init__(self, every_s: float = 10.0) -> None:
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def warn(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -self.every_s) < self.every_s:
-                return
-            self._last[kind] = now
-        log.warning("disk tier: %s", message)
-
-
-COUNTERS = (
-    "spills",  # spill tickets accepted
-    "spills_refused",  # spill tickets refused (too many in flight)
-    "pages_written",  # pages made durable by a write
-    "bytes_written",
-    "pages_present",  # pages a spill found already on disk
-    "skipped_admission",  # pages under min_hits
-    "skipped_full",  # pages with no free slot even after GC
-    "write_errors",  # pages lost to a failed write, fdatasync or index commit
-    "index_errors",  # failed index commits of GC, touches or drops
-    "reloads",  # reload tickets (async reads) accepted
-    "pages_read",  # pages read, verified and copied to the host pool
-    "bytes_read",
-    "read_misses",  # pages asked for that the index does not hold
-    "verify_failures",  # pages whose slot failed verification (now dropped)
-    "read_errors",  # pages lost to an I/O error or timeout while reading (now dropped)
-    "read_races",  # pages dropped by GC while they were read (a miss, not an error)
-    "gc_reclaimed",  # pages GC removed
-    "load_pages",  # pages a load cold start found valid
-    "load_dropped",  # index entries a load cold start dropped
-    "load_truncated",  # slabs a load cold start found truncated (and extended)
-    "touches_dropped",  # LRU touches lost to a full control queue
-    "dropped_unreported",  # dropped pages poll() no longer lists (it was not called for long)
-)
-
-
-class Counters:
-    """Cumulative counts, bumped from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._n = dict.fromkeys(COUNTERS, 0)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                self._n[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._n)
-
-
-@dataclass(frozen=True, slots=True)
-class SpillDone:
-    """Where every page of spill ``ticket`` ended: on disk (written now or found there), not on
-    disk (no room, I/O error, store closing), or skipped by admission (fewer hits than min_hits)."""
-
-    ticket: int
-    durable: tuple[bytes, ...]
-    failed: tuple[bytes, ...]
-    skipped: tuple[bytes, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ReloadDone:
-    """Reload ``ticket``: ``ok[i]`` when page ``i`` was read, verified and copied to its host
-    slot (``DiskStore.read``: reading stops at the first page that fails)."""
-
-    ticket: int
-    ok: tuple[bool, ...]
-
-
-@dataclass(eq=False)
-class SpillJob:
-    ticket: int
-    pages: list[tuple[bytes, int]]  # (page hash, host slot) to write
-    host_pool: HostPool
-    skipped: list[bytes]
-    durable: list[bytes] = field(default_factory=list)
-    failed: list[bytes] = field(default_factory=list)
-    pending: int = 0  # pages handed to the writer and not finished
-    released: bool = False
-
-
-class Events:
-    """Completions waiting for ``poll()``, and the count of jobs still running (for ``flush``)."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.released: list[int] = []
-        self.spilled: list[SpillDone] = []
-        self.reloaded: list[ReloadDone] = []
-        self.dropped: deque[bytes] = deque()
-        self.running = 0  # spill and reload jobs submitted and not finished
-
-    def start(self) -> None:
-        with self.cond:
-            self.running += 1
-
-    def release(self, job: SpillJob) -> None:
-        with self.cond:
-            assert not job.released
-            job.released = True
-            self.released.append(job.ticket)
-            self._maybe_done(job)
-
-    def page_done(self, job: SpillJob, page_hash: bytes, ok: bool) -> None:
-        with self.cond:
-            (job.durable if ok else job.failed).append(page_hash)
-            job.pending -= 1
-            self._maybe_done(job)
-
-    def _maybe_done(self, job: SpillJob) -> None:
-        if job.released and job.pending == 0:
-            order = {h: i for i, (h, _) in enumerate(job.pages)}  # report in spill order
-            durable, failed = (
-                tuple(sorted(x, key=order.__getitem__)) for x in (job.durable, job.failed)
-            )
-            done = SpillDone(job.ticket, durable, failed, tuple(job.skipped))
-            self.spilled.append(done)
-            self.running -= 1
-            self.cond.notify_all()
-
-    def reload_done(self, done: ReloadDone) -> None:
-        with self.cond:
-            self.reloaded.append(done)
-            self.running -= 1
-            self.cond.notify_all()
-
-    def drop(self, hashes: list[bytes], counters: Counters) -> None:
-        with self.cond:
-            self.dropped.extend(hashes)
-            over = len(self.dropped) - DROPPED_CAP
-            for _ in range(max(over, 0)):
-                self.dropped.popleft()
-        if over > 0:
-            counters.add(dropped_unreported=over)
-
-
-class Staging:
-    """``num_blocks`` aligned blocks, each one page's slots for every payload, back to back.
-
-    Bytes are copied in and out with ``ctypes.memmove``: one plain memcpy that releases the GIL
-    and, unlike a torch copy, never fans out to the intra-op thread pool (which on a loaded
-    machine made a 1 MiB copy 100x slower, 0.07 GB/s against 6 GB/s).
-    """
-
-    def __init__(self, slot_bytes: list[int], num_blocks: int) -> None:
-        self.slot_bytes = slot_bytes
-        self.offsets = [sum(slot_bytes[:k]) for k in range(len(slot_bytes))]
-        self.block_bytes = sum(slot_bytes)
-        self.num_blocks = num_blocks
-        self._buf = aligned_buffer(self.block_bytes * num_blocks)
-        self.view = memoryview(self._buf)
-        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
-        self._free: queue.Queue[int] = queue.Queue(maxsize=num_blocks)
-        for b in range(num_blocks):
-            self._free.put_nowait(b)
-
-    def slot(self, block: int, kind: int) -> memoryview:
-        start = block * self.block_bytes + self.offsets[kind]
-        return self.view[start : start + self.slot_bytes[kind]]
-
-    def _payload_at(self, block: int, kind: int, pages: list[torch.Tensor]) -> int:
-        # Raw copies: the tensors must be what the slot's payload holds, byte for byte.
-        assert all(t.dtype == torch.uint8 and t.is_contiguous() for t in pages)
-        assert sum(t.numel() for t in pages) <= self.slot_bytes[kind] - SLOT_HEADER_BYTES
-        return self._base + block * self.block_bytes + self.offsets[kind] + SLOT_HEADER_BYTES
-
-    def gather(self, block: int, kind: int, pages: list[torch.Tensor]) -> None:
-        """Copy ``pages`` (contiguous uint8 tensors, in order) into the payload of a slot."""
-        at = self._payload_at(block, kind, pages)
-        for src in pages:
-            ctypes.memmove(at, src.data_ptr(), src.numel())
-            at += src.numel()
-
-    def scatter(self, block: int, kind: int, pages: list[torch.Tensor]) -> None:
-        """Copy a slot's payload out into ``pages`` (contiguous uint8 tensors, in order)."""
-        at = self._payload_at(block, kind, pages)
-        for dst in pages:
-            ctypes.memmove(dst.data_ptr(), at, dst.numel())
-            at += dst.numel()
-
-    def acquire(self, stop: threading.Event) -> int | None:
-        """A free block, waiting for the writer to return one; None once ``stop`` is set."""
-        while not stop.is_set():
-            try:
-                return self._free.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-        return None
-
-    def release(self, block: int) -> None:
-        self._free.put_nowait(block)
-
-
-def host_page_bytes(host_pool: HostPool, payload: str, host_slot: int) -> list[torch.Tensor]:
-    """The page's bytes of ``payload`` in layer order, as uint8 views into the host pool: one
-    view of all layers in ``page_first``, one per layer in ``layer_first``."""
-    if host_pool.host_layout == "page_first":
-        slab = host_slot // host_pool.slots_per_slab
-        row = host_slot - slab * host_pool.slots_per_slab
-        return [host_pool.slab_tensor(payload, 0, slab)[row].reshape(-1).view(torch.uint8)]
-    return [
-        host_pool.page(payload, layer, host_slot).reshape(-1).view(torch.uint8)
-        for layer in range(host_pool.layout.num_layers)
-    ]
 
 
 @dataclass(eq=False)

@@ -25,31 +25,23 @@ index, so the host pool never receives bytes that are not the page's own.
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import queue
 import threading
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from ..errors import CapacityError, ConfigError, DiskStoreError
 from .disk_audit import INDEX_DIR, SLAB_DIR, GroupAudit, Problem, audit_group
-from .disk_format import (
-    ALIGN,
-    CRC32C_HARDWARE,
-    RankLock,
-    SlabFile,
-    SlabGeometry,
-    check_slot,
-    lock_path,
-    probe_direct_io,
+from .disk_buffers import Staging
+from .disk_config import (
+    DiskConfig,
+    DiskPoll,
+    DiskStats,
+    watermark_slots,
 )
-from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, DiskIndex
-from .disk_slots import SlotPool
-from .disk_spill import (
+from .disk_events import (
     POLL_S,
     Counters,
     Events,
@@ -57,130 +49,26 @@ from .disk_spill import (
     ReloadDone,
     SpillDone,
     SpillJob,
-    SpillPipeline,
-    Staging,
-    host_page_bytes,
     log,
 )
+from .disk_format import (
+    ALIGN,
+    CRC32C_HARDWARE,
+    RankLock,
+    SlabFile,
+    SlabGeometry,
+    lock_path,
+    probe_direct_io,
+)
+from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, DiskIndex
+from .disk_read import PageReader
+from .disk_slots import SlotPool
+from .disk_spill import SpillPipeline
 from .host_pool import HostPool, mem_available_bytes
 from .page_hash import HASH_BYTES, Namespace
 
-#: More I/O threads than this buy nothing on any disk and cost a read buffer pair each.
-MAX_IO_THREADS = 64
-StartMode = Literal["clear", "load"]
-START_MODES: tuple[StartMode, ...] = ("clear", "load")
-IOMode = Literal["auto", "direct", "buffered"]
-IO_MODES: tuple[IOMode, ...] = ("auto", "direct", "buffered")
-
-
-@dataclass(frozen=True)
-class DiskConfig:
-    """How one rank's disk tier is set up.
-
-    root: the directory (created if missing); several ranks and namespaces may share it.
-    budget_bytes: disk bytes this rank's slabs take, all payloads together, preallocated.
-    start: ``"clear"`` (start empty) or ``"load"`` (keep what the index holds, verified).
-    high_watermark / low_watermark: GC runs when a write would fill more than ``high`` of the
-        slots and frees the least recently used pages down to ``low``.
-    min_hits: pages spilled with fewer hits are skipped (frequency-gated admission, SSD wear).
-    io_mode: ``"direct"`` (O_DIRECT, refuse to start without it), ``"buffered"`` (page cache +
-        fdatasync), ``"auto"`` (O_DIRECT where the filesystem takes it, else buffered, reported
-        by ``stats().io_mode`` and a warning).
-    staging_bytes: aligned memory for pages between gather and write (at least 2 pages).
-    max_tickets: spill and reload tickets in flight or unpolled; more are refused.
-    io_timeout_s: the longest a read waits for one slot read or for another read to finish.
-    read_threads: pages a read has in flight, each on a thread that reads, verifies and copies
-        it (so reads overlap each other's CRC and copy, and the disk sees that queue depth;
-        3 read fastest on the development machine, against 1, 2 and 4: docs/benchmarks.md).
-    write_threads: slot writes a spill batch has in flight (the writer thread still allocates
-        slots, collects garbage, syncs and commits alone).
-    """
-
-    root: Path
-    budget_bytes: int
-    start: StartMode = "clear"
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    min_hits: int = 1
-    io_mode: IOMode = "auto"
-    staging_bytes: int = 256 << 20
-    max_tickets: int = 64
-    io_timeout_s: float = 30.0
-    read_threads: int = 3
-    write_threads: int = 2
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))
-        if self.start not in START_MODES:
-            raise ConfigError(f"disk start must be one of {START_MODES}, got {self.start!r}")
-        if self.io_mode not in IO_MODES:
-            raise ConfigError(f"disk io_mode must be one of {IO_MODES}, got {self.io_mode!r}")
-        if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
-            raise ConfigError(
-                "disk watermarks must satisfy 0 < low < high <= 1, got low "
-                f"{self.low_watermark!r}, high {self.high_watermark!r}"
-            )
-        for name, least in (
-            ("budget_bytes", 1),
-            ("min_hits", 0),
-            ("staging_bytes", 1),
-            ("max_tickets", 1),
-            ("read_threads", 1),
-            ("write_threads", 1),
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ConfigError(f"disk {name} must be an integer >= {least}, got {value!r}")
-        for name in ("read_threads", "write_threads"):
-            if getattr(self, name) > MAX_IO_THREADS:
-                raise ConfigError(
-                    f"disk {name} must be at most {MAX_IO_THREADS}, got {getattr(self, name)}"
-                )
-        if not self.io_timeout_s > 0:
-            raise ConfigError(f"disk io_timeout_s must be > 0, got {self.io_timeout_s!r}")
-
-
-def _watermark_slots(config: DiskConfig, num_slots: int) -> tuple[int, int]:
-    """``(high, low)`` watermarks in slots."""
-    return int(config.high_watermark * num_slots), int(config.low_watermark * num_slots)
-
-
-@dataclass(frozen=True, slots=True)
-class DiskPoll:
-    """What finished since the last ``poll()``.
-
-    released: spill tickets whose host slots the store no longer reads (unpin them).
-    spilled: spill tickets whose every page is durable, failed or skipped (after ``released``).
-    reloaded: reload tickets done.
-    dropped: pages no longer on disk (GC, or a read that failed verification). A page can be
-        in ``dropped`` and in a ``spilled`` ticket's ``durable`` of one poll (dropped and spilled
-        again, or the other way round): ``lookup`` says which holds now.
-    """
-
-    released: tuple[int, ...] = ()
-    spilled: tuple[SpillDone, ...] = ()
-    reloaded: tuple[ReloadDone, ...] = ()
-    dropped: tuple[bytes, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class DiskStats:
-    """Counters (``disk_spill.COUNTERS``) and the store's state."""
-
-    io_mode: str
-    crc32c_hardware: bool
-    num_slots: int
-    used_slots: int
-    high_slots: int
-    low_slots: int
-    page_bytes: int  # disk bytes of one page, all payloads, headers and padding included
-    counters: dict[str, int] = field(default_factory=dict)
-
-    def __getattr__(self, name: str) -> int:
-        try:
-            return self.counters[name]
-        except KeyError:
-            raise AttributeError(name) from None
+# The store's configuration and results, importable from here as well.
+__all__ = ["DiskConfig", "DiskPoll", "DiskStats", "DiskStore", "ReloadDone", "SpillDone"]
 
 
 @dataclass(eq=False)
@@ -209,10 +97,10 @@ class DiskStore:
         ]
         page_bytes = sum(g.slot_bytes for g in geoms)
         num_slots = (config.budget_bytes - num_payloads * ALIGN) // page_bytes
-        self.high_slots, self.low_slots = _watermark_slots(config, num_slots)
+        self.high_slots, self.low_slots = watermark_slots(config, num_slots)
         if self.low_slots < 1 or self.high_slots <= self.low_slots:
             least = 1
-            while not 1 <= _watermark_slots(config, least)[1] < _watermark_slots(config, least)[0]:
+            while not 1 <= watermark_slots(config, least)[1] < watermark_slots(config, least)[0]:
                 least += 1
             raise ConfigError(
                 f"a disk budget of {config.budget_bytes:,} bytes holds {max(num_slots, 0)} pages of "
@@ -365,19 +253,26 @@ class DiskStore:
             write_threads=cfg.write_threads,
             io_timeout_s=cfg.io_timeout_s,
         )
-        self._read_bufs = self._new_read_buffers()
-        self._read_lock = threading.Lock()
-        self._io = concurrent.futures.ThreadPoolExecutor(
-            cfg.read_threads, thread_name_prefix="kvstrata-l3-read"
+        self._reader = PageReader(
+            self.namespace,
+            self.rank,
+            self._slabs,
+            self._index,
+            self.counters,
+            self._warn,
+            drop=lambda h, slot: self._spill.send("drop", h, slot),
+            touch=self.touch,
+            read_threads=cfg.read_threads,
+            io_timeout_s=cfg.io_timeout_s,
         )
         self._reloads: queue.Queue[_ReloadJob] = queue.Queue(maxsize=cfg.max_tickets)
-        self._reader = threading.Thread(
+        self._reload_thread = threading.Thread(
             target=self._spill._guard,
             args=(self._reload_loop,),
             name="kvstrata-l3-reload",
             daemon=True,
         )
-        self._reader.start()
+        self._reload_thread.start()
         self._open_tickets = 0  # submitted and not yet returned by poll()
 
     # -- spill -----------------------------------------------------------------------------------
@@ -494,123 +389,9 @@ class DiskStore:
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
         self._check_hashes(page_hashes)
         self._check_host_pool(host_pool, host_slots)
-        ok = [False] * len(page_hashes)
         if self._closed:
-            return ok
-        if not self._read_lock.acquire(timeout=self.config.io_timeout_s):
-            self._warn.warn("read", "a read waited too long for another one; reported as misses")
-            self.counters.add(read_errors=len(page_hashes))
-            return ok
-        try:
-            self._read_locked(page_hashes, host_pool, host_slots, ok)
-        finally:
-            self._read_lock.release()
-        return ok
-
-    def _read_locked(
-        self,
-        hashes: Sequence[bytes],
-        host_pool: HostPool,
-        host_slots: Sequence[int],
-        ok: list[bool],
-    ) -> None:
-        assert self._index is not None
-        ns, num_payloads = self.namespace.digest, len(self._slabs)
-        slots: list[int] = []
-        with self._index.read() as txn:
-            for h in hashes:
-                entry = self._index.page(txn, ns, self.rank, h, num_payloads)
-                if entry is None:
-                    break
-                slots.append(entry.slot)
-        self.counters.add(read_misses=len(hashes) - len(slots))
-        bad = next((i for i, s in enumerate(slots) if not 0 <= s < self.num_slots), None)
-        if bad is not None:  # an entry past the slab (another process's, or corrupt): a miss
-            past = f"slot {slots[bad]} past the slab's {self.num_slots}"
-            self._failed_read(hashes[bad], slots[bad], "verify_failures", past)
-            slots = slots[:bad]
-        timeout = self.config.io_timeout_s
-        depth = len(self._read_bufs)
-        pending: deque[concurrent.futures.Future[tuple[str, str] | None]] = deque()
-
-        def submit(j: int, buf: Staging) -> None:
-            args = (hashes[j], slots[j], buf, host_pool, host_slots[j])
-            pending.append(self._io.submit(self._load_page, *args))
-
-        for j in range(min(depth, len(slots))):  # at most `depth` pages in flight
-            submit(j, self._read_bufs[j])
-        try:
-            for i, slot in enumerate(slots):
-                try:
-                    failed = pending.popleft().result(timeout=timeout)
-                except concurrent.futures.TimeoutError:
-                    self._read_bufs = self._new_read_buffers()  # the stuck read keeps the old
-                    failed = ("read_errors", f"a slot read took over {timeout} s")
-                if failed is not None:
-                    self._failed_read(hashes[i], slot, *failed)
-                    return
-                ok[i] = True
-                if i + depth < len(slots):  # page i's buffer is free again
-                    submit(i + depth, self._read_bufs[i % depth])
-        finally:
-            first = len(slots) - len(pending)
-            for j, future in enumerate(pending, start=first):
-                if future.cancel():
-                    continue
-                try:  # a page read after one that failed still landed whole in its own slot
-                    failed = future.result(timeout=timeout)
-                except concurrent.futures.TimeoutError:
-                    self._read_bufs = self._new_read_buffers()
-                    continue
-                ok[j] = failed is None
-                if failed is not None:
-                    self._failed_read(hashes[j], slots[j], *failed)
-            pages_read = sum(ok)
-            self.counters.add(pages_read=pages_read, bytes_read=pages_read * self.page_bytes)
-            self.touch([h for h, good in zip(hashes, ok, strict=False) if good])
-
-    def _new_read_buffers(self) -> list[Staging]:
-        # Twice the threads: a thread finds its next page queued while this one is collected.
-        depth = 2 * self.config.read_threads
-        return [Staging([g.slot_bytes for g in self._geoms], 1) for _ in range(depth)]
-
-    def _load_page(
-        self, page_hash: bytes, slot: int, buf: Staging, host_pool: HostPool, host_slot: int
-    ) -> tuple[str, str] | None:
-        """On a read thread: read every payload's slot into ``buf``, verify it, confirm it with
-        the index, copy it into the host slot. None when done, else ``(counter, why)``."""
-        for k, slab in enumerate(self._slabs):
-            view = buf.slot(0, k)
-            try:
-                got = slab.read_slot(slot, view)
-            except OSError as err:
-                return "read_errors", f"read error: {err.strerror}"
-            if got < len(view):
-                return "read_errors", f"short read: {got} of {len(view)} bytes (a truncated slab?)"
-            why = check_slot(view, k, page_hash, self._payload_len[k])
-            if why is not None:
-                return "verify_failures", f"payload {self.namespace.payloads[k].name}: {why}"
-        # The bytes are this page's unless GC freed and rewrote the slot meanwhile, which needs
-        # the entry gone first: an entry still there after the read vouches for them.
-        assert self._index is not None
-        with self._index.read() as txn:
-            entry = self._index.page(
-                txn, self.namespace.digest, self.rank, page_hash, len(self._slabs)
-            )
-        if entry is None or entry.slot != slot:
-            return "read_races", "the page was dropped while it was read"
-        for k, spec in enumerate(self.namespace.payloads):
-            buf.scatter(0, k, host_page_bytes(host_pool, spec.name, host_slot))
-        return None
-
-    def _failed_read(self, page_hash: bytes, slot: int, counter: str, why: str) -> None:
-        """Count a page that could not be read; drop it unless GC did (a race, not a fault)."""
-        self.counters.add(**{counter: 1})
-        if counter == "read_races":
-            return
-        where = f"page {page_hash.hex()[:16]} slot {slot}"
-        self._warn.warn("read", f"{where}: {why}; a miss, the page is dropped")
-        self._spill.send("drop", page_hash, slot)
+            return [False] * len(page_hashes)
+        return self._reader.read(page_hashes, host_pool, host_slots)
 
     def reload(
         self,
@@ -718,11 +499,11 @@ class DiskStore:
         with self._events.cond:
             self._closed = True
         self._spill.stop.set()
-        for t in [*self._spill.threads, self._reader]:
+        for t in [*self._spill.threads, self._reload_thread]:
             t.join(timeout=timeout_s)
             if t.is_alive():
                 log.warning("disk tier: thread %s did not stop within %s s", t.name, timeout_s)
-        self._io.shutdown(wait=False, cancel_futures=True)
+        self._reader.close()
         self._spill.shutdown()
         self._release_files()
 
