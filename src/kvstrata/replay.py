@@ -718,7 +718,13 @@ def recompute_uncached(compute: Compute, config: EngineConfig, request: Request)
     page size and chunking), sized for that one request."""
     P = config.page_size
     pool_tokens = page_span(request.tokens.size, P) * P
-    fields = {**asdict(config), "pool_tokens": pool_tokens, "l2_tokens": 0, "l2_gib": 0.0}
+    fields = {
+        **asdict(config),
+        "pool_tokens": pool_tokens,
+        "l2_tokens": 0,
+        "l2_gib": 0.0,
+        "l3_dir": None,
+    }
     solo = Engine(compute, EngineConfig(**fields))
     solo.keep_logits = {request.rid}
     solo.add(request)
