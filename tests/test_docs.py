@@ -48,7 +48,7 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 
 #: Flags the README announces for work in progress, each only in a paragraph that says they come
 #: with it. When one exists, drop it here and the README's note with it.
-PLANNED = {"--l3-dir", "--l3-gib", "--l3-start"}  # with the disk tier's engine integration
+PLANNED: set[str] = set()  # flags the README announces before they exist
 
 
 def test_readme_flags_exist() -> None:

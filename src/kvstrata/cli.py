@@ -119,6 +119,27 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         help="with write_through_selective: back a node up once it has N hits",
     )
     p.add_argument(
+        "--l3-dir",
+        default=None,
+        metavar="DIR",
+        help="the disk tier (L3): a directory of preallocated, checksummed slab files and an "
+        "LMDB index; committed host pages spill there and misses reload from it (needs an L2)",
+    )
+    p.add_argument("--l3-gib", type=float, default=0.0, help="disk bytes of the L3 slabs, in GiB")
+    p.add_argument(
+        "--l3-start",
+        choices=["clear", "load"],
+        default="clear",
+        help="clear: start with an empty disk tier; load: keep (and verify) what DIR holds",
+    )
+    p.add_argument(
+        "--l3-min-hits",
+        type=int,
+        default=1,
+        metavar="N",
+        help="spill only pages used at least N times (their first use counts)",
+    )
+    p.add_argument(
         "--cp",
         type=int,
         default=1,
@@ -236,6 +257,10 @@ def _run_replay(args: argparse.Namespace) -> int:
             host_layout=args.host_layout,
             write_policy=args.write_policy,
             write_through_hits=args.write_through_hits,
+            l3_dir=args.l3_dir,
+            l3_gib=args.l3_gib,
+            l3_start=args.l3_start,
+            l3_min_hits=args.l3_min_hits,
             cp_attention=args.cp_attention,
             check_digests=args.check_digests,
             chunk_size=args.chunk_size,

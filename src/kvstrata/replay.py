@@ -46,7 +46,7 @@ from .model.loader import load_model, read_model_config, resolve_dtype, weight_b
 from .ownership import page_span
 from .progress import Progress
 from .residency import Tier
-from .workloads import DEFAULT_VOCAB_SIZE, Request, SkippedLine, load_workload
+from .workloads import DEFAULT_VOCAB_SIZE, Request, SkippedLine, Workload, load_workload
 
 SUMMARY_SCHEMA = 1
 #: Failed requests and skipped trace lines a summary lists by message (the counts are complete).
@@ -157,6 +157,8 @@ class TierReport:
     loads: int
     loads_failed: int
     load_back_wait_ms: float
+    l3_hit_tokens: int = 0
+    l3: dict[str, int] | None = None  # the disk store's counters (spills, reads, GC, errors)
 
     @classmethod
     def of(cls, engine: Engine) -> TierReport | None:
@@ -177,13 +179,33 @@ class TierReport:
             loads=loads.stats.loads,
             loads_failed=loads.stats.failed,
             load_back_wait_ms=round(loads.stats.wait_s * 1e3, 3),
+            l3_hit_tokens=engine.hit_tokens[Tier.L3],
+            l3=(
+                dict(engine.disk.store.stats().counters) | asdict(engine.disk.stats)
+                if engine.disk is not None
+                else None
+            ),
         )
 
     def rows(self, cached_tokens: int) -> list[tuple[str, str]]:
-        return [
+        l3 = self.l3
+        disk = (
+            [
+                (
+                    "disk: spilled / reloaded pages",
+                    f"{l3['pages_written']:,} / {l3['reloaded_pages']:,} "
+                    f"(verify failures {l3['verify_failures']}, write errors "
+                    f"{l3['write_errors']}, GC {l3['gc_reclaimed']:,})",
+                )
+            ]
+            if l3 is not None
+            else []
+        )
+        return disk + [
             (
-                "hit tokens L1 / L2",
-                f"{cached_tokens - self.l2_hit_tokens:,} / {self.l2_hit_tokens:,}",
+                "hit tokens L1 / L2 / L3",
+                f"{cached_tokens - self.l2_hit_tokens - self.l3_hit_tokens:,} / "
+                f"{self.l2_hit_tokens:,} / {self.l3_hit_tokens:,}",
             ),
             (
                 "host pages (end / total)",
@@ -248,9 +270,10 @@ class ReplaySummary:
             "cached_tokens": self.cached_tokens,
             "hit_ratio": round(self.hit_ratio, 6),
             "hit_tokens_by_tier": {
-                "l1": self.cached_tokens - (self.tiers.l2_hit_tokens if self.tiers else 0),
+                "l1": self.cached_tokens
+                - (self.tiers.l2_hit_tokens + self.tiers.l3_hit_tokens if self.tiers else 0),
                 "l2": self.tiers.l2_hit_tokens if self.tiers else 0,
-                "l3": 0,
+                "l3": self.tiers.l3_hit_tokens if self.tiers else 0,
             },
             "tiers": asdict(self.tiers) if self.tiers else None,
             "tree": (
@@ -593,7 +616,23 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None, group: Grou
         requests = itertools.chain([first], stream)
     _check_memory(cfg, shape)
     compute = compute or build_compute(cfg)
-    engine = Engine(compute, cfg.engine, group=group)
+    model_id = f"none:{cfg.kv_width}:{cfg.vocab_size}" if cfg.model == "none" else cfg.model
+    engine = Engine(compute, cfg.engine, group=group, model_id=model_id)
+    try:
+        return _replay(cfg, progress, compute, group, engine, workload, requests)
+    finally:
+        engine.close()
+
+
+def _replay(
+    cfg: ReplayConfig,
+    progress: bool,
+    compute: Compute,
+    group: Group,
+    engine: Engine,
+    workload: Workload | None,
+    requests: Iterator[Request] | None,
+) -> ReplaySummary:
     sample = VerifySample(cfg.verify, cfg.seed, engine.keep_logits)
     tally = _Tally()
     lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
@@ -664,6 +703,10 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None, group: Grou
             "l1_tokens": cfg.engine.pool_tokens,
             "l2_tokens": cfg.engine.l2_tokens,
             "l2_gib": cfg.engine.l2_gib,
+            "l3_dir": cfg.engine.l3_dir,
+            "l3_gib": cfg.engine.l3_gib if cfg.engine.l3_dir else None,
+            "l3_start": cfg.engine.l3_start if cfg.engine.l3_dir else None,
+            "l3_min_hits": cfg.engine.l3_min_hits if cfg.engine.l3_dir else None,
             "host_layout": cfg.engine.host_layout if cfg.engine.has_l2 else None,
             "write_policy": cfg.engine.write_policy if cfg.engine.has_l2 else None,
             "write_through_hits": cfg.engine.write_through_hits if cfg.engine.has_l2 else None,
