@@ -38,6 +38,7 @@ from .config import KVLayout
 from .engine import Engine, EngineConfig, Finished
 from .errors import ConfigError
 from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
+from .model.attention import ATTENTION_BACKENDS, PagedAttention
 from .model.compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
@@ -67,6 +68,7 @@ class ReplayConfig:
     seed: int = 0
     threads: int | None = None  # torch intra-op threads while replaying; None leaves torch's
     lookahead: int | None = None  # requests read ahead of the engine; None: 2 x max_batch_requests
+    attention: str = "auto"  # the model's attention backend (kvstrata.model.attention)
 
     def __post_init__(self) -> None:
         if not 0 <= self.seed <= _MAX_SEED:
@@ -83,6 +85,10 @@ class ReplayConfig:
             raise ConfigError(
                 "--dtype applies to a model's K/V; --model none stores uint8 synthetic payloads "
                 "(size them with --kv-width)"
+            )
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"--attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}"
             )
         if self.vocab_size < 1:
             raise ConfigError(f"--vocab-size must be >= 1, got {self.vocab_size}")
@@ -322,6 +328,10 @@ def build_compute(cfg: ReplayConfig) -> Compute:
     if cfg.model == "none":
         return SyntheticCompute(cfg.kv_width, cfg.vocab_size)
     _, model = load_model(cfg.model, device=cfg.engine.device, dtype=cfg.dtype, seed=cfg.seed)
+    model.use_attention(cfg.attention)
+    PagedAttention.for_device(  # refuse a backend the device cannot run before any work
+        cfg.attention, torch.device(cfg.engine.device), model.config.head_dim
+    )
     return ModelCompute(model, next(model.parameters()).dtype)
 
 
@@ -583,6 +593,7 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
             "verify": cfg.verify,
             "seed": cfg.seed,
             "threads": torch.get_num_threads(),
+            "attention": cfg.attention if cfg.model != "none" else None,
         },
         errors=tally.errors,
         skipped=tuple(workload.skipped),
