@@ -188,20 +188,21 @@ CUDA = torch.device("cuda") if torch.cuda.is_available() else CPU
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize(
-    ("dtype", "head_dim"), [(torch.float32, 32), (torch.bfloat16, 64), (torch.bfloat16, 128)]
+    ("dtype", "head_dim"), [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 32)]
 )
 def test_kernel_matches_sdpa_on_cuda(dtype: torch.dtype, head_dim: int) -> None:
-    """Compiled kernel, every launch shape, random batches with long prefixes: output within
-    the dtype's tolerance of SDPA (gathered), every row written, LSE equal to float64's."""
+    """Compiled kernel, two launch shapes (the dtype's default and a small one), random batches
+    with long prefixes: output within the dtype's tolerance of SDPA (gathered), every row
+    written, LSE equal to float64's."""
     import math
 
     tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
-    for seed in range(6):
+    for seed in range(3):
         batch, q, k, v, kp, vp = random_case(
-            seed, CUDA, dtype, heads=8, kv_heads=2, head_dim=head_dim, max_len=700
+            seed, CUDA, dtype, heads=8, kv_heads=2, head_dim=head_dim, max_len=400
         )
         expected = PagedAttention("sdpa")(q, k, v, kp, vp, batch).float()
-        for kernel in [KERNELS[1], AttentionKernelConfig()]:
+        for kernel in [None, KERNELS[1]]:
             lse = torch.full(q.shape[:2], float("nan"), device=CUDA)
             attention = PagedAttention("triton", kernel)
             got = attention(q, k, v, kp, vp, batch, lse=lse).float()  # the kernel on every row

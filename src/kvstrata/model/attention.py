@@ -29,7 +29,7 @@ sdpa``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -51,7 +51,7 @@ class PagedAttention:
     """Causal attention of a packed batch over paged K/V with one resolved backend."""
 
     backend: Literal["triton", "sdpa"]
-    kernel: AttentionKernelConfig = field(default_factory=AttentionKernelConfig)
+    kernel: AttentionKernelConfig | None = None  # None: the default for the queries' dtype
 
     @classmethod
     def for_device(
@@ -81,7 +81,7 @@ class PagedAttention:
                     f"the triton attention kernel tiles head sizes that are powers of two >= 16, "
                     f"the model's is {head_dim}; use --attention sdpa"
                 )
-            return cls("triton", kernel or AttentionKernelConfig())
+            return cls("triton", kernel)
         return cls("sdpa")
 
     def __call__(
@@ -124,7 +124,7 @@ class PagedAttention:
                 batch.page_table,
                 batch.table_starts,
                 max_extend,
-                self.kernel,
+                self.kernel or AttentionKernelConfig.default_for(q.dtype),
                 lse=lse,
             )
             return out

@@ -41,7 +41,9 @@ class AttentionKernelConfig:
 
     block_m: query rows per program (tokens x packed heads); block_n: keys per inner step.
     pack_gqa: a program's rows are ``block_m // G`` tokens x the ``G`` query heads of one KV head.
-    The defaults come from ``kvstrata bench attention --sweep`` on the H200 (docs/benchmarks.md).
+    The defaults come from ``kvstrata bench attention --sweep`` on the H200 (docs/benchmarks.md),
+    for bf16/fp16; fp32 (exact fp32 dots, twice the registers per tile) takes
+    :meth:`default_for`'s smaller tiles.
     """
 
     block_m: int = 128
@@ -59,6 +61,11 @@ class AttentionKernelConfig:
             raise ConfigError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
         if not 1 <= self.num_stages <= 8:
             raise ConfigError(f"num_stages must lie in [1, 8], got {self.num_stages}")
+
+    @classmethod
+    def default_for(cls, dtype: torch.dtype) -> AttentionKernelConfig:
+        """The default launch shape for ``dtype``."""
+        return cls(64, 32, 4, 2, True) if dtype == torch.float32 else cls()
 
 
 def require_triton() -> None:
