@@ -47,6 +47,7 @@ BENCHMARKS = (
     "transfer",
     "workload",
     "memory",
+    "cp",
     "attention",
     "gpu",
 )
@@ -134,6 +135,35 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         default=2,
         metavar="N",
         help="with write_through_selective: back a node up once it has N hits",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="context-parallel ranks: N local processes (gloo on CPU, one GPU each with NCCL); "
+        "under torchrun, its world instead. Sizes stay per rank: N ranks cache N times more",
+    )
+    p.add_argument(
+        "--cp-attention",
+        choices=["auto", "move_kv", "move_queries"],
+        default="auto",
+        help="how ranks get the keys other ranks own: move_kv (exchange K/V, bytes grow with "
+        "the context), move_queries (exchange queries and partial outputs, bytes grow with the "
+        "extend), or auto (the cheaper per step by bytes moved)",
+    )
+    p.add_argument(
+        "--cp-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="timeout of every collective: a rank that dies or hangs fails the run, named",
+    )
+    p.add_argument(
+        "--check-digests",
+        action="store_true",
+        help="under --cp: compare allocator digests and the tree hash across ranks after every "
+        "step, and fail naming the first that differs",
     )
     p.add_argument(
         "--chunk-size", type=int, default=2048, help="max tokens a request computes per step"
@@ -224,6 +254,8 @@ def _run_replay(args: argparse.Namespace) -> int:
             host_layout=args.host_layout,
             write_policy=args.write_policy,
             write_through_hits=args.write_through_hits,
+            cp_attention=args.cp_attention,
+            check_digests=args.check_digests,
             chunk_size=args.chunk_size,
             max_batch_tokens=args.max_batch_tokens,
             max_batch_requests=args.max_batch_requests,
@@ -235,10 +267,14 @@ def _run_replay(args: argparse.Namespace) -> int:
         on_error=args.on_error,
         seed=args.seed,
         threads=args.threads,
+        cp=args.cp,
+        cp_timeout_s=args.cp_timeout,
         lookahead=args.lookahead,
         attention=args.attention,
     )
     summary = run_replay(cfg, progress=not args.no_progress)
+    if summary.rank != 0:  # one rank of torchrun's world: rank 0 reports
+        return EXIT_OK
     print(summary.table())
     for line in summary.problems():
         print(line)

@@ -20,12 +20,13 @@ The summary is a :class:`ReplaySummary`; ``to_json()`` is the stable machine-rea
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import platform
 import time
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,8 +36,10 @@ import torch
 from . import __version__
 from .cache.radix import TreeStats
 from .config import KVLayout
+from .dist.group import Group, SoloGroup
+from .dist.launch import run_ranks, torchrun_group, under_torchrun
 from .engine import Engine, EngineConfig, Finished
-from .errors import ConfigError
+from .errors import ConfigError, DivergenceError
 from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
 from .model.attention import ATTENTION_BACKENDS, PagedAttention
 from .model.compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
@@ -68,9 +71,17 @@ class ReplayConfig:
     seed: int = 0
     threads: int | None = None  # torch intra-op threads while replaying; None leaves torch's
     lookahead: int | None = None  # requests read ahead of the engine; None: 2 x max_batch_requests
+    cp: int = 1  # context-parallel ranks (local processes, or torchrun's world)
+    cp_timeout_s: float = 300.0  # every collective's timeout: a dead or hung rank fails the run
     attention: str = "auto"  # the model's attention backend (kvstrata.model.attention)
 
     def __post_init__(self) -> None:
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or not 1 <= self.cp <= 64:
+            raise ConfigError(f"--cp must be an integer in [1, 64], got {self.cp!r}")
+        if not 1 <= self.cp_timeout_s <= 86_400:
+            raise ConfigError(
+                f"--cp-timeout must lie in [1, 86400] seconds, got {self.cp_timeout_s!r}"
+            )
         if not 0 <= self.seed <= _MAX_SEED:
             raise ConfigError(f"--seed must lie in [0, 2**64 - 1], got {self.seed}")
         check_device(self.engine.device)
@@ -223,6 +234,7 @@ class ReplaySummary:
     total_requests: int = 0
     tiers: TierReport | None = None  # what the L2 host tier did (None without one)
     tree: TreeStats | None = None  # the radix tree's own size at the end
+    rank: int = 0  # the CP rank that wrote this summary (only rank 0's is printed)
 
     @property
     def hit_ratio(self) -> float:
@@ -305,6 +317,16 @@ class ReplaySummary:
             )
         if self.tiers is not None:
             rows += self.tiers.rows(self.cached_tokens)
+        if self.config.get("cp", 1) > 1:
+            steps = ", ".join(f"{k} {v:,}" for k, v in self.config["cp_attention_steps"].items())
+            moved = sum(self.config["cp_bytes_per_rank"].values())
+            rows.append(
+                (
+                    "context parallel",
+                    f"{self.config['cp']} ranks; steps by attention: {steps}; "
+                    f"{moved / 2**20:,.1f} MiB exchanged by rank 0",
+                )
+            )
         if self.verify.requests:
             rows.append((f"verify ({self.verify.requests} requests)", self.verify.describe()))
         width = max(len(k) for k, _ in rows)
@@ -472,6 +494,36 @@ class _Tally:
         self.ttft_s.append(f.ttft_s)
 
 
+#: Engine steps between returns of freed heap memory to the OS (see :func:`release_free_heap`).
+TRIM_EVERY_STEPS = 256
+
+
+def release_free_heap() -> None:
+    """Hand memory that glibc's allocator keeps after frees back to the OS (``malloc_trim``).
+
+    A long replay allocates and frees token, key and page arrays of every size; glibc keeps the
+    freed blocks and peak RSS creeps up with the trace's length although live data stays flat
+    (docs/benchmarks.md, "Streamed replay memory"). No-op where the C library has no
+    ``malloc_trim``.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _find_malloc_trim()
+
+
 def run_replay(
     cfg: ReplayConfig, progress: bool = True, compute: Compute | None = None
 ) -> ReplaySummary:
@@ -486,36 +538,72 @@ def run_replay(
     while requests run ends the replay early: the summary covers the requests finished so far
     and says ``interrupted``.
     """
+    if cfg.cp > 1 or under_torchrun():
+        if compute is not None:
+            raise ConfigError("a compute object cannot be shared by context-parallel ranks")
+        if under_torchrun():  # this process is one rank of torchrun's world
+            group = torchrun_group(cfg.engine.device, cfg.cp_timeout_s)
+            return _rank_main(group, cfg, progress)
+        ranks = run_ranks(cfg.cp, _rank_main, (cfg, progress), cfg.engine.device, cfg.cp_timeout_s)
+        summary: ReplaySummary = ranks[0]
+        return summary
+    return _rank_main(SoloGroup(), cfg, progress, compute)
+
+
+def _rank_main(
+    group: Group, cfg: ReplayConfig, progress: bool, compute: Compute | None = None
+) -> ReplaySummary:
+    """One rank's replay (the only one without CP)."""
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        return _run(cfg, progress, compute)
+        return _run(cfg, progress and group.rank == 0, compute, group)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySummary:
+def _agree_on_config(group: Group, cfg: ReplayConfig) -> None:
+    """Every rank must run the same configuration: compare them, naming a field that differs."""
+    if group.size == 1:
+        return
+    mine = {**asdict(cfg), "kvstrata": __version__, "torch": torch.__version__}
+    every = group.all_gather_object(mine, "config")
+    for rank, other in enumerate(every):
+        for name in sorted(mine):
+            if other.get(name) != mine[name]:
+                raise DivergenceError(
+                    f"rank {rank} runs {name}={other.get(name)!r}, rank {group.rank} runs "
+                    f"{name}={mine[name]!r}: start every rank with the same configuration"
+                )
+
+
+def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None, group: Group) -> ReplaySummary:
+    _agree_on_config(group, cfg)
     shape = _shape(cfg, compute)
-    pool_tokens = cfg.engine.pool_pages * cfg.engine.page_size
-    workload = load_workload(
-        cfg.workload,
-        limit=cfg.limit,
-        vocab_size=shape.vocab_size,
-        on_error=cfg.on_error,
-        max_tokens=min(shape.max_seq_len, pool_tokens),
-    )
-    stream = iter(workload)
-    first = next(stream, None)  # an empty (or wholly malformed) workload fails before the model
-    if first is None:
-        skipped = (
-            f" ({workload.num_skipped} malformed lines skipped)" if workload.num_skipped else ""
+    # Under CP a request spreads over every rank's pool, so cp pools bound its length.
+    pool_tokens = cfg.engine.pool_pages * cfg.engine.page_size * group.size
+    requests: Iterator[Request] | None = iter(())  # rank > 0: they come from rank 0
+    workload = None
+    if group.rank == 0:  # only rank 0 reads the workload; it broadcasts what it reads
+        workload = load_workload(
+            cfg.workload,
+            limit=cfg.limit,
+            vocab_size=shape.vocab_size,
+            on_error=cfg.on_error,
+            max_tokens=min(shape.max_seq_len, pool_tokens),
         )
-        raise ConfigError(f"workload {cfg.workload!r} has no requests{skipped}")
-    requests: Iterator[Request] | None = itertools.chain([first], stream)
+        stream = iter(workload)
+        first = next(stream, None)  # an empty (or wholly malformed) workload fails early
+        if first is None:
+            skipped = (
+                f" ({workload.num_skipped} malformed lines skipped)" if workload.num_skipped else ""
+            )
+            raise ConfigError(f"workload {cfg.workload!r} has no requests{skipped}")
+        requests = itertools.chain([first], stream)
     _check_memory(cfg, shape)
     compute = compute or build_compute(cfg)
-    engine = Engine(compute, cfg.engine)
+    engine = Engine(compute, cfg.engine, group=group)
     sample = VerifySample(cfg.verify, cfg.seed, engine.keep_logits)
     tally = _Tally()
     lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
@@ -523,21 +611,25 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
     interrupted = False
     seconds = 0.0  # engine time only: reading or generating the workload is not prefill
     try:
-        with Progress("replay", workload.num_requests, enabled=progress) as bar:
+        total = workload.num_requests if workload is not None else None
+        with Progress("replay", total, enabled=progress) as bar:
             while True:
-                while requests is not None and read - tally.requests < lookahead:
-                    request = next(requests, None)
-                    if request is None:
+                want = lookahead - (read - tally.requests)
+                if requests is not None and want > 0:
+                    batch, more = _next_requests(group, requests, want)
+                    if not more:
                         requests = None
-                        break
-                    sample.offer(request)
-                    engine.add(request)
-                    read += 1
+                    for request in batch:
+                        sample.offer(request)
+                        engine.add(request)
+                    read += len(batch)
                 if not engine.has_work():
                     break
                 start = time.perf_counter()
                 done = engine.step()
                 seconds += time.perf_counter() - start
+                if engine.steps % TRIM_EVERY_STEPS == 0:
+                    release_free_heap()
                 for f in done:
                     tally.add(f)
                     sample.collect(f)
@@ -550,7 +642,7 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
         seconds += time.perf_counter() - start
 
     verify = VerifyReport()
-    if not interrupted:
+    if not interrupted and group.rank == 0:  # recomputing without the cache needs no peers
         sampled = [f for f in sample.finished.values() if f.error is None]
         try:
             verify = _verify(cfg, compute, sampled, sample.requests, progress)
@@ -570,9 +662,9 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
         steps=engine.steps,
         verify=verify,
         config={
-            "workload": workload.source,
+            "workload": workload.source if workload is not None else cfg.workload,
             "limit": cfg.limit,
-            "skipped_lines": workload.num_skipped,
+            "skipped_lines": workload.num_skipped if workload is not None else 0,
             "model": cfg.model,
             "dtype": str(next(iter(compute.layout.payloads)).dtype),
             "vocab_size": compute.vocab_size,
@@ -593,16 +685,41 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
             "verify": cfg.verify,
             "seed": cfg.seed,
             "threads": torch.get_num_threads(),
+            "cp": group.size,
+            "cp_attention": cfg.engine.cp_attention if group.size > 1 else None,
+            "cp_attention_steps": dict(engine.strategy_steps),
+            "cp_bytes_per_rank": dict(group.traffic.bytes),
             "attention": cfg.attention if cfg.model != "none" else None,
         },
         errors=tally.errors,
-        skipped=tuple(workload.skipped),
-        num_skipped=workload.num_skipped,
+        skipped=tuple(workload.skipped) if workload is not None else (),
+        num_skipped=workload.num_skipped if workload is not None else 0,
         interrupted=interrupted,
-        total_requests=workload.num_requests or read,
+        total_requests=(workload.num_requests if workload is not None else None) or read,
         tiers=TierReport.of(engine),
         tree=engine.tree.stats(),
+        rank=group.rank,
     )
+
+
+def _next_requests(
+    group: Group, requests: Iterator[Request], count: int
+) -> tuple[list[Request], bool]:
+    """Up to ``count`` more requests, read by rank 0 and broadcast to every rank; and whether the
+    workload has more. ``count`` comes from replicated counters, so every rank calls this at the
+    same points."""
+    batch: list[Request] = []
+    more = True
+    if group.rank == 0:
+        for request in itertools.islice(requests, count):
+            batch.append(request)
+        more = len(batch) == count
+    if group.size == 1:
+        return batch, more
+    sent = group.broadcast_object(
+        ([(r.rid, r.tokens, r.arrival_ms) for r in batch], more), "workload"
+    )
+    return [Request(rid, tokens, arrival) for rid, tokens, arrival in sent[0]], sent[1]
 
 
 def recompute_uncached(compute: Compute, config: EngineConfig, request: Request) -> torch.Tensor:

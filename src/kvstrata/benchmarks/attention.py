@@ -119,6 +119,8 @@ class Case:
         """The paged kernel alone, on every request (the backend sends fresh ones to flash)."""
         out = torch.empty_like(self.q)
         b = self.batch
+        assert b.page_table is not None and b.table_starts is not None
+        assert b.prefix_lens_device is not None
         paged_prefill(
             self.q, self.k_pages, self.v_pages, out, self.all_requests, b.cu_seqlens,
             b.prefix_lens_device, b.page_table, b.table_starts, max(b.extend_lens), config,

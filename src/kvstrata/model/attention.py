@@ -102,6 +102,12 @@ class PagedAttention:
         attends every request, cached prefix or not.
         """
         if self.backend == "triton":
+            if batch.page_table is None or batch.cached_requests is None:
+                raise ConfigError(
+                    "the triton attention path reads the page tables ForwardBatch.build puts on "
+                    "the device; this batch was made without them"
+                )
+            assert batch.prefix_lens_device is not None and batch.table_starts is not None
             out = torch.empty_like(q)
             if lse is None:
                 requests, max_extend = batch.cached_requests, batch.max_extend

@@ -23,9 +23,9 @@ reads a device value back to the host.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
-from typing import Protocol
+from typing import Protocol, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,31 @@ from ..errors import ConfigError, RequestError
 from ..ownership import page_span
 
 PageTable = torch.Tensor | npt.NDArray[np.integer] | Sequence[int]
+
+
+class ContextParallel(Protocol):
+    """What a forward under context parallelism needs from the rank group (implemented by
+    ``kvstrata.dist.attention.CPStep``): attention whose keys other ranks hold, the last-token
+    rows other ranks computed, and per-request values summed over ranks."""
+
+    all_tokens: torch.Tensor  # [T] every extend token of the step, on every rank
+    all_positions: torch.Tensor  # [T]
+    mine: torch.Tensor  # [T] bool: the tokens this rank computes
+    ext_offsets: tuple[int, ...]  # where each request's extend starts in ``all_tokens``
+    prefix_last_rows: torch.Tensor  # per request: this rank's pool row of its last prefix token
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+    def gather_last(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def share(self, values: torch.Tensor) -> torch.Tensor: ...
 
 
 class LayerHooks(Protocol):
@@ -53,39 +78,44 @@ class ForwardBatch:
     Host fields (Python ints, for shapes and slicing without a device sync):
     prefix_lens / extend_lens: per request, tokens already cached / computed in this forward.
     cu_seqlens_host: ``[R + 1]`` start of each request's extend tokens in the packed batch.
-    max_extend: the longest extend of a request with a cached prefix (the attention kernel's grid).
-    cached_requests_host: indices of the requests with a cached prefix (``prefix_lens[i] > 0``).
 
-    Device fields, from one host-to-device copy and index arithmetic on the device:
+    Device fields:
     cu_seqlens: ``cu_seqlens_host`` on the device.
-    prefix_lens_device: ``[R]`` ``prefix_lens`` on the device.
-    cached_requests: ``cached_requests_host`` on the device.
-    page_table: every request's pool slots, concatenated; request ``i``'s start at
-        ``table_starts[i]`` (its ``ceil((prefix + extend) / P)`` pages, no padding).
     positions: ``[T]`` absolute position of every packed token.
     write_index: ``[T]`` pool token row that receives each packed token's K/V.
+    read_index: per request, ``[prefix + extend]`` pool rows of its whole sequence so far, for
+        paths that gather a sequence (the CPU attention path, synthetic KV); :meth:`build` makes
+        it lazily, on the device, on first use.
     last_index: ``[R]`` packed index of each request's last token (whose logits a prefill returns).
-    input_ids: ``[T]`` the packed tokens, when the builder was given them (else None).
-    read_index (computed on first use): per request, ``[prefix + extend]`` pool rows of its whole
-        sequence so far, for paths that gather a sequence (the CPU attention path, synthetic KV).
+    cp: set under context parallelism: this rank's share (``kvstrata.dist``).
+
+    What :meth:`build` adds for the paged attention kernel (a batch made otherwise, as the CP path
+    makes its own, leaves them empty and never reaches the kernel):
+    max_extend: the longest extend of a request with a cached prefix (the kernel's grid).
+    cached_requests_host / cached_requests: indices of the requests with a cached prefix.
+    prefix_lens_device: ``[R]`` ``prefix_lens`` on the device.
+    page_table: every request's pool slots, concatenated; request ``i``'s start at
+        ``table_starts[i]`` (its ``ceil((prefix + extend) / P)`` pages, no padding).
+    input_ids: ``[T]`` the packed tokens, when the builder was given them.
     """
 
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
     page_size: int
     cu_seqlens_host: tuple[int, ...]
-    max_extend: int
-    cached_requests_host: tuple[int, ...]
     cu_seqlens: torch.Tensor
-    prefix_lens_device: torch.Tensor
-    cached_requests: torch.Tensor
-    page_table: torch.Tensor
-    table_starts: torch.Tensor
     positions: torch.Tensor
     write_index: torch.Tensor
+    read_index: Sequence[torch.Tensor]
     last_index: torch.Tensor
+    cp: ContextParallel | None = None
+    max_extend: int = 0
+    cached_requests_host: tuple[int, ...] = ()
+    cached_requests: torch.Tensor | None = None
+    prefix_lens_device: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None
+    table_starts: torch.Tensor | None = None
     input_ids: torch.Tensor | None = None
-    _read_index: list[tuple[torch.Tensor, ...]] = field(default_factory=list, repr=False)
 
     @property
     def num_requests(self) -> int:
@@ -95,26 +125,6 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         """Packed tokens computed by this forward (the sum of the extend lengths)."""
         return self.cu_seqlens_host[-1]
-
-    @property
-    def read_index(self) -> tuple[torch.Tensor, ...]:
-        """Per request, the pool rows of its whole sequence (built once, on the device)."""
-        if not self._read_index:
-            seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
-            device = self.page_table.device
-            seq_device = self.cu_seqlens.diff() + self.prefix_lens_device
-            request = torch.repeat_interleave(
-                torch.arange(len(seq_lens), device=device), seq_device, output_size=sum(seq_lens)
-            )
-            positions = (
-                torch.arange(sum(seq_lens), device=device)
-                - (seq_device.cumsum(0) - seq_device)[request]
-            )
-            rows = _pool_rows(
-                self.page_table, self.table_starts[request], positions, self.page_size
-            )
-            self._read_index.append(rows.split(seq_lens))
-        return self._read_index[0]
 
     @classmethod
     def build(
@@ -190,23 +200,70 @@ class ForwardBatch:
             torch.arange(num_tokens, device=device) - cu_seqlens[request] + prefix_device[request]
         )
         write_index = _pool_rows(page_table, starts[request], positions, page_size)
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         return cls(
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             page_size=page_size,
             cu_seqlens_host=cu_seqlens_host,
-            max_extend=max((extend_lens[i] for i in cached), default=0),
-            cached_requests_host=cached,
             cu_seqlens=cu_seqlens,
-            prefix_lens_device=prefix_device,
-            cached_requests=cached_device,
-            page_table=page_table,
-            table_starts=starts,
             positions=positions,
             write_index=write_index,
+            read_index=_ReadRows(
+                page_table, starts, cu_seqlens.diff() + prefix_device, seq_lens, page_size
+            ),
             last_index=cu_seqlens[1:] - 1,
+            max_extend=max((extend_lens[i] for i in cached), default=0),
+            cached_requests_host=cached,
+            cached_requests=cached_device,
+            prefix_lens_device=prefix_device,
+            page_table=page_table,
+            table_starts=starts,
             input_ids=packed_ids if ids else None,
         )
+
+
+class _ReadRows(Sequence[torch.Tensor]):
+    """Per request, the pool rows of its whole sequence: built on the device on first use (the
+    Triton attention path never asks), by index arithmetic over the page tables."""
+
+    def __init__(
+        self,
+        page_table: torch.Tensor,
+        table_starts: torch.Tensor,
+        seq_device: torch.Tensor,
+        seq_lens: list[int],
+        page_size: int,
+    ) -> None:
+        self._args = (page_table, table_starts, seq_device, page_size)
+        self._seq_lens = seq_lens
+        self._rows: tuple[torch.Tensor, ...] | None = None
+
+    def _all(self) -> tuple[torch.Tensor, ...]:
+        if self._rows is None:
+            page_table, table_starts, seq_device, page_size = self._args
+            total, device = sum(self._seq_lens), page_table.device
+            request = torch.repeat_interleave(
+                torch.arange(len(self._seq_lens), device=device), seq_device, output_size=total
+            )
+            positions = (
+                torch.arange(total, device=device) - (seq_device.cumsum(0) - seq_device)[request]
+            )
+            rows = _pool_rows(page_table, table_starts[request], positions, page_size)
+            self._rows = rows.split(self._seq_lens)
+        return self._rows
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[torch.Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self._seq_lens)
 
 
 def _pool_rows(

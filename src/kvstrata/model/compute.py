@@ -158,6 +158,11 @@ class SyntheticCompute:
     ) -> None:
         if hooks is not None:
             hooks.before_layer(0)  # one layer: its prefix rows are read below
+        if batch.cp is not None:
+            self._forward_cp(batch, pool)
+            if hooks is not None:
+                hooks.after_layer(0)
+            return None
         rows = pool.token_view("kv", 0)
         tokens = input_ids.to(torch.int64)
         # One cumulative sum over the packed batch, rebased per request onto the state its cached
@@ -177,6 +182,32 @@ class SyntheticCompute:
         if hooks is not None:
             hooks.after_layer(0)
         return None
+
+    def _forward_cp(self, batch: ForwardBatch, pool: DevicePool) -> None:
+        """Under context parallelism: the running state of every extend token of the step (the
+        tokens are replicated; each request's prefix state comes from the rank that holds its
+        last prefix row), then this rank's rows only."""
+        cp = batch.cp
+        assert cp is not None
+        rows = pool.token_view("kv", 0)
+        tokens = cp.all_tokens.to(torch.int64)
+        running = torch.cumsum(_token_terms(tokens, cp.all_positions), 0)
+        held = cp.prefix_last_rows >= 0
+        states = torch.zeros(cp.prefix_last_rows.numel(), dtype=torch.int64, device=tokens.device)
+        for i in torch.nonzero(held).flatten().tolist():
+            states[i] = _decode_state(rows[int(cp.prefix_last_rows[i])])
+        states = cp.share(states)
+        starts = torch.tensor(cp.ext_offsets[:-1], device=tokens.device)
+        lengths = torch.tensor(
+            [b - a for a, b in zip(cp.ext_offsets[:-1], cp.ext_offsets[1:], strict=True)],
+            device=tokens.device,
+        )
+        before = torch.where(starts > 0, running[(starts - 1).clamp(min=0)], 0)
+        state = (running + torch.repeat_interleave(states - before, lengths)) % _STATE_MOD
+        mine = cp.mine
+        rows.index_copy_(
+            0, batch.write_index, _payload_bytes(state[mine], tokens[mine], self.kv_width)
+        )
 
     def snapshot(
         self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int
