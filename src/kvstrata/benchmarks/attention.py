@@ -173,6 +173,13 @@ def _kernel_runner(case: Case, config: AttentionKernelConfig) -> Callable[[], to
 def bench(args: argparse.Namespace) -> list[Row]:
     from triton.testing import do_bench
 
+    if not 1 <= args.warmup_ms <= 60_000 or not 1 <= args.rep_ms <= 600_000:
+        raise ConfigError(
+            f"--warmup-ms must lie in [1, 60000] and --rep-ms in [1, 600000], got "
+            f"{args.warmup_ms} and {args.rep_ms}"
+        )
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed must lie in [0, 2**63), got {args.seed}")
     device = check_device(args.device)
     if device.type != "cuda":
         raise ConfigError(f"{PROG} times CUDA kernels; run it with --device cuda (got {device})")

@@ -362,13 +362,33 @@ def build_parser() -> CommandParser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse values the benchmark cannot run with, before anything is built."""
+    positive = ("limit", "l1_tokens", "chunk_size", "max_batch_tokens", "suffix", "wt_tokens")
+    for name in (*positive, "repeats"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.repeats > 1000 or args.verify < 0 or args.verify > args.limit:
+        raise ConfigError(
+            f"--repeats must lie in [1, 1000] and --verify in [0, --limit], got {args.repeats} "
+            f"and {args.verify}"
+        )
+    if args.prefix < PAGE or args.prefix % PAGE:
+        raise ConfigError(f"--prefix must be a positive multiple of the page size {PAGE}")
+    if any(n < 0 for n in args.copy_programs):
+        raise ConfigError(f"--copy-programs takes counts >= 0, got {args.copy_programs}")
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed must lie in [0, 2**63), got {args.seed}")
+    if not Path(args.trace).is_file():
+        raise ConfigError(f"--trace {args.trace!r} is not a file")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_args(args)
     device = check_device(args.device)
     if device.type != "cuda":
         raise ConfigError(f"{PROG} measures the GPU path; run it with --device cuda")
-    if not Path(args.trace).is_file():
-        raise ConfigError(f"--trace {args.trace!r} is not a file")
     ceiling = ceilings(device)
     _release()
     _, model = load_model("llama-3.2-1b", device=device, dtype="bfloat16", seed=args.seed)
