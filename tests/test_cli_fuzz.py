@@ -55,6 +55,18 @@ BASE = {
     # CUDA-only benchmarks: on a machine without CUDA every value ends in one error line.
     "bench attention": ["bench", "attention", "--device", "cpu"],
     "bench gpu": ["bench", "gpu", "--device", "cpu", "--trace", "README.md"],
+    "bench cp": [
+        "bench",
+        "cp",
+        "--cp",
+        "1",
+        "--prefixes",
+        "16",
+        "--extend",
+        "4",
+        "--replay-trace",
+        "builtin",
+    ],
     "bench transfer": [
         "bench",
         "transfer",
@@ -192,6 +204,11 @@ def test_bench_attention_and_gpu_flags() -> None:
 
 def test_bench_workload_flags() -> None:
     fuzz("bench workload", 30)
+
+
+@pytest.mark.slow
+def test_bench_cp_flags() -> None:
+    fuzz("bench cp", 12)  # a valid --cp starts rank processes
 
 
 @pytest.mark.slow
