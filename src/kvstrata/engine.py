@@ -358,6 +358,7 @@ class Engine:
         by an in-flight backup; one lock per running request and one host lock per load."""
         self.tree.check()
         self.allocator.check()
+        self.ledger.check()
         P = self.config.page_size
         held = sum(int((~self.tree.holds(r.own_pages())).sum()) for r in self.running)
         inflight = sum(r.key.num_full_pages - r.inserted_len // P for r in self.running)

@@ -619,10 +619,12 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None, group: Grou
                     batch, more = _next_requests(group, requests, want)
                     if not more:
                         requests = None
-                    for request in batch:
+                    read += len(batch)
+                    while batch:  # hand each request over and drop it: none outlives the window
+                        request = batch.pop(0)
                         sample.offer(request)
                         engine.add(request)
-                    read += len(batch)
+                        del request
                 if not engine.has_work():
                     break
                 start = time.perf_counter()

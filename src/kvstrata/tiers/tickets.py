@@ -99,6 +99,22 @@ class TicketLedger:
         """Tickets issued and not yet applied (of one kind, or all)."""
         return sum(1 for r in self._issued.values() if kind is None or r.kind is kind)
 
+    def check(self) -> None:
+        """applied <= done <= issued, and exactly the unapplied tickets are on record."""
+        issued = self.next_ticket - 1
+        if not 0 <= self.applied_upto <= self._done_upto <= issued:
+            raise AssertionError(
+                f"tickets applied {self.applied_upto}, done {self._done_upto}, issued {issued}"
+            )
+        if set(self._issued) != set(range(self.applied_upto + 1, issued + 1)):
+            raise AssertionError(
+                "the ticket ledger lost or kept a ticket outside (applied, issued]"
+            )
+        if any(
+            not self._issued[t].finished for t in range(self.applied_upto + 1, self._done_upto + 1)
+        ):
+            raise AssertionError("a ticket inside the finished prefix is not finished")
+
     def finished(self, ticket: int) -> bool:
         """Whether this rank's copies of ``ticket`` have landed (or it was applied already)."""
         rec = self._issued.get(ticket)
