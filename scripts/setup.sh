@@ -1,14 +1,64 @@
 #!/usr/bin/env bash
 # Create .venv and install kvstrata with its test and checkpoint extras.
-# The pinned CPU torch goes in first, so the package's own range (torch>=2.4) is already met and pip
-# never pulls a multi-GB CUDA build.
+#
+# Which torch: on a machine without an NVIDIA GPU the pinned CPU torch goes in first, so the
+# package's own range (torch>=2.4) is already met and pip never pulls a multi-GB CUDA build. On a
+# machine where `nvidia-smi -L` lists a GPU, a CUDA build of torch is kept if the venv has one,
+# and otherwise installed (replacing a CPU build) from the PyTorch index for the newest CUDA the
+# driver supports; the gpu extra (Triton) comes with it. The script says which it chose.
+#
+# Environment: KVSTRATA_TORCH_INDEX=URL   the PyTorch index for the CUDA build (default: by driver)
+#              KVSTRATA_SETUP_DRY_RUN=1   print the pip commands instead of running them
+#              KVSTRATA_VENV=DIR          the virtual environment (default: .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+TORCH_VERSION=2.13.0
+venv=${KVSTRATA_VENV:-.venv}
+py=$venv/bin/python
+
+run() {  # a pip step, or its command line on a dry run
+  if [ "${KVSTRATA_SETUP_DRY_RUN:-0}" = 1 ]; then echo "+ $*"; else "$@"; fi
+}
+
+# The CUDA version the driver supports ("CUDA Version: 13.0" in nvidia-smi's header) -> an index.
+cuda_index() {
+  if [ -n "${KVSTRATA_TORCH_INDEX:-}" ]; then echo "$KVSTRATA_TORCH_INDEX"; return; fi
+  local v major minor
+  v=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\)\.\([0-9]*\).*/\1 \2/p' | head -1)
+  read -r major minor <<<"${v:-0 0}"
+  if [ "$major" -ge 13 ]; then echo https://download.pytorch.org/whl/cu130
+  elif [ "$major" -eq 12 ] && [ "$minor" -ge 8 ]; then echo https://download.pytorch.org/whl/cu128
+  elif [ "$major" -eq 12 ] && [ "$minor" -ge 6 ]; then echo https://download.pytorch.org/whl/cu126
+  else
+    echo "setup: the NVIDIA driver supports CUDA ${major}.${minor}; torch $TORCH_VERSION needs 12.6" \
+      "or newer. Update the driver, or set KVSTRATA_TORCH_INDEX to a PyTorch index URL." >&2
+    exit 2
+  fi
+}
+
+if [ ! -x "$py" ]; then
+  run python3 -m venv "$venv"
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/python -m pip install -q torch==2.13.0
+run "$py" -m pip install -q --upgrade pip
+# torch.version.cuda is None for a CPU build; "none" when torch is not installed.
+have=$("$py" -c "import torch; print(torch.version.cuda or 'cpu')" 2>/dev/null || echo none)
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  if [ "$have" != cpu ] && [ "$have" != none ]; then
+    echo "setup: NVIDIA GPU found; keeping the CUDA build of torch already installed (CUDA $have)"
+  else
+    index=$(cuda_index)
+    echo "setup: NVIDIA GPU found; installing the CUDA build of torch $TORCH_VERSION from $index" \
+      "(the venv had: $have)"
+    if [ "$have" = cpu ]; then run "$py" -m pip uninstall -q -y torch; fi
+    run "$py" -m pip install -q "torch==$TORCH_VERSION" --index-url "$index"
+  fi
+  run "$py" -m pip install -q -e ".[hf,dev,gpu]"
+else
+  if [ "$have" = none ]; then
+    echo "setup: no NVIDIA GPU; installing the pinned CPU torch $TORCH_VERSION"
+    run "$py" -m pip install -q "torch==$TORCH_VERSION"
+  else
+    echo "setup: no NVIDIA GPU; keeping the torch already installed ($have)"
+  fi
+  run "$py" -m pip install -q -e ".[hf,dev]"
 fi
-.venv/bin/python -m pip install -q -e ".[hf,dev]"

@@ -22,6 +22,7 @@ import json
 from unittest import mock
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -51,6 +52,9 @@ BASE = {
     "bench planner": ["bench", "planner", "--leaves", "20", "--pages", "4", "--deficit", "10"],
     "bench workload": ["bench", "workload", "--trace", "builtin"],
     "bench memory": ["bench", "memory", "--sizes", "2", "--l1-tokens", "300000"],
+    # CUDA-only benchmarks: on a machine without CUDA every value ends in one error line.
+    "bench attention": ["bench", "attention", "--device", "cpu"],
+    "bench gpu": ["bench", "gpu", "--device", "cpu", "--trace", "README.md"],
     "bench cp": [
         "bench",
         "cp",
@@ -211,6 +215,12 @@ def test_bench_planner_flags() -> None:
 @pytest.mark.slow
 def test_bench_transfer_flags() -> None:
     fuzz("bench transfer", 20)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a valid value would run on the GPU")
+def test_bench_attention_and_gpu_flags() -> None:
+    fuzz("bench attention", 15)
+    fuzz("bench gpu", 30)
 
 
 def test_bench_workload_flags() -> None:

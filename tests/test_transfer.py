@@ -293,11 +293,18 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     sys.path.insert(0, sys.argv[1])
+    import triton_interpreter
+    triton_interpreter.patch_loop_bounds()  # each program loops over its share of the steps
     import test_transfer as tt
     from kvstrata.tiers.transfer import Transfer
     from kvstrata.tiers.transfer_kernel import KernelConfig
     torch.manual_seed(0)
-    cases = ((None, 4, KernelConfig()), (3, 3, KernelConfig(16, 1, 3)), (2, 3, KernelConfig()))
+    cases = (
+        (None, 4, KernelConfig()),
+        (3, 3, KernelConfig(16, 1, 3, 2)),
+        (2, 3, KernelConfig(max_programs=None)),
+        (None, 2, KernelConfig(16, 1, 1, 1)),
+    )
     for host_layout in ("layer_first", "page_first"):
         for slab_pages, page_size, kernel in cases:
             dev, host = tt._pools(host_layout, slab_pages, page_size=page_size)
@@ -313,7 +320,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 def test_triton_kernel_round_trips_in_the_interpreter() -> None:
     """The CUDA path's kernel, run by Triton's CPU interpreter: every word size (page size 3
     gives 9-byte uint8 pages: bytes; 6-byte fp16 pages: 16-bit words; the rest 32-bit words),
-    blocks smaller than a page, several items per program, slabs, both host layouts."""
+    blocks smaller than a page, several items per program, programs looping over several steps
+    (1 or 2 programs for many steps), slabs, both host layouts."""
     pytest.importorskip("triton", reason="triton is not installed (pip install 'kvstrata[gpu]')")
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": src}

@@ -11,6 +11,8 @@ kvstrata bench memory   peak RSS of a streamed replay at several workload sizes
 kvstrata bench cp       bytes moved and step time of both CP attention strategies, cp = 1, 2, 4
 kvstrata bench disk     spill and reload through the disk tier against dd with O_DIRECT
 kvstrata disk check     audit a disk tier directory: slabs against the index (--fix repairs)
+kvstrata bench attention paged attention kernels against SDPA on the same pages (CUDA)
+kvstrata bench gpu      end-to-end GPU figures: ceilings, replay, L1/L2 TTFT, write-through
 
 Errors in the input end in one stderr line and exit status 2; :mod:`kvstrata.command` lists the
 exit codes.
@@ -34,13 +36,25 @@ from .command import (
     run_command,
 )
 from .config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, WRITE_POLICIES
+from .model.attention import ATTENTION_BACKENDS
 
 #: Default torch intra-op threads of ``replay``: one, because the engine's per-step ops are small
 #: and two threads make a replay 10-20x slower as soon as another process uses a core
 #: (docs/benchmarks.md, "CPU threads"), while they gain at most ~1.3x on an idle machine.
 DEFAULT_THREADS = 1
 #: ``kvstrata bench NAME`` runs ``kvstrata.benchmarks.NAME.run_main``.
-BENCHMARKS = ("radix", "prefill", "planner", "transfer", "workload", "memory", "cp", "disk")
+BENCHMARKS = (
+    "radix",
+    "prefill",
+    "planner",
+    "transfer",
+    "workload",
+    "memory",
+    "cp",
+    "disk",
+    "attention",
+    "gpu",
+)
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,6 +88,14 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         "--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on GPU)"
     )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument(
+        "--attention",
+        choices=list(ATTENTION_BACKENDS),
+        default="auto",
+        help="attention over the paged K/V: triton (CUDA: a kernel reads the pages in place), sdpa "
+        "(torch SDPA per request, gathering a cached prefix; the CPU path), auto (triton on CUDA, "
+        "sdpa on CPU); no silent fallback",
+    )
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument(
         "--l1-tokens",
@@ -277,6 +299,7 @@ def _run_replay(args: argparse.Namespace) -> int:
         cp=args.cp,
         cp_timeout_s=args.cp_timeout,
         lookahead=args.lookahead,
+        attention=args.attention,
     )
     summary = run_replay(cfg, progress=not args.no_progress)
     if summary.rank != 0:  # one rank of torchrun's world: rank 0 reports

@@ -704,7 +704,7 @@ class Engine:
     # -- forward, insert and finish --------------------------------------------------------------
 
     def _forward(self, chosen: list[tuple[_Running, int]], all_logits: bool) -> torch.Tensor | None:
-        device = self.pool.device
+        # Tokens, page tables and lengths reach the device in one copy (ForwardBatch.build).
         ids = np.concatenate(
             [run.key.tokens[run.done_len : run.done_len + extend] for run, extend in chosen]
         )
@@ -713,11 +713,12 @@ class Engine:
             extend_lens=[extend for _, extend in chosen],
             page_tables=[run.pages for run, _ in chosen],
             page_size=self.config.page_size,
-            device=device,
+            device=self.pool.device,
+            input_ids=ids.astype(np.int64),
         )
-        input_ids = torch.from_numpy(ids.astype(np.int64)).to(device)
+        assert batch.input_ids is not None
         hooks = self if self.transfer is not None else None
-        return self.compute.forward(input_ids, batch, self.pool, all_logits, hooks)
+        return self.compute.forward(batch.input_ids, batch, self.pool, all_logits, hooks)
 
     def _forward_cp(self, chosen: list[tuple[_Running, int]]) -> torch.Tensor | None:
         """This rank's share of the step: the tokens of the pages it owns, the rest exchanged."""

@@ -41,6 +41,7 @@ from .dist.launch import run_ranks, torchrun_group, under_torchrun
 from .engine import Engine, EngineConfig, Finished
 from .errors import ConfigError, DivergenceError
 from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
+from .model.attention import ATTENTION_BACKENDS, PagedAttention
 from .model.compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
@@ -72,6 +73,7 @@ class ReplayConfig:
     lookahead: int | None = None  # requests read ahead of the engine; None: 2 x max_batch_requests
     cp: int = 1  # context-parallel ranks (local processes, or torchrun's world)
     cp_timeout_s: float = 300.0  # every collective's timeout: a dead or hung rank fails the run
+    attention: str = "auto"  # the model's attention backend (kvstrata.model.attention)
 
     def __post_init__(self) -> None:
         if isinstance(self.cp, bool) or not isinstance(self.cp, int) or not 1 <= self.cp <= 64:
@@ -94,6 +96,10 @@ class ReplayConfig:
             raise ConfigError(
                 "--dtype applies to a model's K/V; --model none stores uint8 synthetic payloads "
                 "(size them with --kv-width)"
+            )
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"--attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}"
             )
         if self.vocab_size < 1:
             raise ConfigError(f"--vocab-size must be >= 1, got {self.vocab_size}")
@@ -367,6 +373,10 @@ def build_compute(cfg: ReplayConfig) -> Compute:
     if cfg.model == "none":
         return SyntheticCompute(cfg.kv_width, cfg.vocab_size)
     _, model = load_model(cfg.model, device=cfg.engine.device, dtype=cfg.dtype, seed=cfg.seed)
+    model.use_attention(cfg.attention)
+    PagedAttention.for_device(  # refuse a backend the device cannot run before any work
+        cfg.attention, torch.device(cfg.engine.device), model.config.head_dim
+    )
     return ModelCompute(model, next(model.parameters()).dtype)
 
 
@@ -724,6 +734,7 @@ def _replay(
             "cp_attention": cfg.engine.cp_attention if group.size > 1 else None,
             "cp_attention_steps": dict(engine.strategy_steps),
             "cp_bytes_per_rank": dict(group.traffic.bytes),
+            "attention": cfg.attention if cfg.model != "none" else None,
         },
         errors=tally.errors,
         skipped=tuple(workload.skipped) if workload is not None else (),

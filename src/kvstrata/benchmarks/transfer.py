@@ -38,7 +38,13 @@ from ..tiers.transfer_kernel import KernelConfig
 
 DIRECTIONS: tuple[Direction, ...] = ("d2h", "h2d")
 _SPIN_CYCLES = 20_000_000  # about 10 ms at H200 clocks, far longer than one submission
-SWEEP = [KernelConfig(b, w, i) for b in (1024, 2048, 4096) for w in (4, 8) for i in (1, 4)]
+SWEEP = [
+    KernelConfig(b, w, i, p)
+    for b in (1024, 2048, 4096)
+    for w in (4, 8)
+    for i in (1, 4)
+    for p in (32, None)
+]
 GEOMETRIES = {
     "gqa": (PayloadSpec("k", (8, 128), "bfloat16"), PayloadSpec("v", (8, 128), "bfloat16")),
     "mla": (PayloadSpec("kv_latent", (576,), "bfloat16"),),
@@ -194,7 +200,10 @@ class _Case:
 
 
 def _kernel_name(k: KernelConfig) -> str:
-    return f"block={k.block_words} warps={k.num_warps} items={k.items_per_program}"
+    return (
+        f"block={k.block_words} warps={k.num_warps} items={k.items_per_program} "
+        f"programs={k.max_programs or 'all'}"
+    )
 
 
 PROG = "kvstrata bench transfer"
@@ -227,6 +236,12 @@ def build_parser() -> CommandParser:
     ap.add_argument("--num-warps", type=int, default=KernelConfig.num_warps)
     ap.add_argument("--items-per-program", type=int, default=KernelConfig.items_per_program)
     ap.add_argument(
+        "--max-programs",
+        type=int,
+        default=KernelConfig.max_programs or 0,
+        help="programs per copy launch, each looping over its share (0: one per step)",
+    )
+    ap.add_argument(
         "--sweep",
         action="store_true",
         help="also time a grid of kernel launch shapes (CUDA; every geometry, first --layout)",
@@ -252,7 +267,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-alloc-gib must be a finite number > 0, got {args.max_alloc_gib}")
     if not 0 <= args.seed < 2**63:
         raise ConfigError(f"--seed must lie in [0, 2**63), got {args.seed}")
-    KernelConfig(args.block_words, args.num_warps, args.items_per_program)  # validates
+    KernelConfig(  # validates
+        args.block_words, args.num_warps, args.items_per_program, args.max_programs or None
+    )
     device = torch.device(args.device)
     pool = max(
         KVLayout(args.layers, GEOMETRIES[g]).page_bytes(args.page_size) for g in args.geometry
@@ -270,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     device = torch.device(args.device)
-    kernel = KernelConfig(args.block_words, args.num_warps, args.items_per_program)
+    kernel = KernelConfig(
+        args.block_words, args.num_warps, args.items_per_program, args.max_programs or None
+    )
     rows: list[Row] = []
     sweep: list[dict[str, object]] = []
     for geometry in args.geometry:

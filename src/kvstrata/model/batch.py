@@ -14,7 +14,10 @@ slot of every page, and token ``t`` lives in pool row ``page_table[t // P] * P +
     pool row     28 29 30 31  8  9 | 10 11 36 37 38
                  prefix 6: read    | extend 5: written now, then read
 
-:class:`ForwardBatch` computes all of this once per forward, so the per-layer code only indexes.
+:class:`ForwardBatch` computes all of this once per forward, so the per-layer code only indexes:
+the host sends the page tables and per-request lengths (and the tokens) in one host-to-device copy,
+and the device derives every token's position and pool row from them. Nothing on the per-layer path
+reads a device value back to the host.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Protocol
+from typing import Protocol, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -72,13 +75,28 @@ class LayerHooks(Protocol):
 class ForwardBatch:
     """Where the packed tokens of one forward read and write their K/V.
 
+    Host fields (Python ints, for shapes and slicing without a device sync):
     prefix_lens / extend_lens: per request, tokens already cached / computed in this forward.
-    cu_seqlens_host: ``[R + 1]`` start of each request's extend tokens in the packed batch (Python
-        ints, for slicing without a device sync); ``cu_seqlens`` is the same on the device.
+    cu_seqlens_host: ``[R + 1]`` start of each request's extend tokens in the packed batch.
+
+    Device fields:
+    cu_seqlens: ``cu_seqlens_host`` on the device.
     positions: ``[T]`` absolute position of every packed token.
     write_index: ``[T]`` pool token row that receives each packed token's K/V.
-    read_index: per request, ``[prefix + extend]`` pool rows of its whole sequence so far.
+    read_index: per request, ``[prefix + extend]`` pool rows of its whole sequence so far, for
+        paths that gather a sequence (the CPU attention path, synthetic KV); :meth:`build` makes
+        it lazily, on the device, on first use.
     last_index: ``[R]`` packed index of each request's last token (whose logits a prefill returns).
+    cp: set under context parallelism: this rank's share (``kvstrata.dist``).
+
+    What :meth:`build` adds for the paged attention kernel (a batch made otherwise, as the CP path
+    makes its own, leaves them empty and never reaches the kernel):
+    max_extend: the longest extend of a request with a cached prefix (the kernel's grid).
+    cached_requests_host / cached_requests: indices of the requests with a cached prefix.
+    prefix_lens_device: ``[R]`` ``prefix_lens`` on the device.
+    page_table: every request's pool slots, concatenated; request ``i``'s start at
+        ``table_starts[i]`` (its ``ceil((prefix + extend) / P)`` pages, no padding).
+    input_ids: ``[T]`` the packed tokens, when the builder was given them.
     """
 
     prefix_lens: tuple[int, ...]
@@ -88,9 +106,16 @@ class ForwardBatch:
     cu_seqlens: torch.Tensor
     positions: torch.Tensor
     write_index: torch.Tensor
-    read_index: tuple[torch.Tensor, ...]
+    read_index: Sequence[torch.Tensor]
     last_index: torch.Tensor
-    cp: ContextParallel | None = None  # set under context parallelism: this rank's share
+    cp: ContextParallel | None = None
+    max_extend: int = 0
+    cached_requests_host: tuple[int, ...] = ()
+    cached_requests: torch.Tensor | None = None
+    prefix_lens_device: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None
+    table_starts: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -110,13 +135,14 @@ class ForwardBatch:
         page_size: int,
         device: str | torch.device = "cpu",
         num_slots: int | None = None,
+        input_ids: npt.NDArray[np.integer] | torch.Tensor | None = None,
     ) -> ForwardBatch:
         """Validate one batch of requests and precompute its indices on ``device``.
 
         ``page_tables[i]`` lists the rank-local pool slots of request ``i``'s pages and must cover
         its ``prefix_lens[i] + extend_lens[i]`` tokens. With ``num_slots`` (the pool's slot count),
         slots are range-checked on the host, so a bad table raises here instead of as a device
-        assertion mid-forward.
+        assertion mid-forward. ``input_ids`` (host, ``[T]``), if given, travel in the same copy.
         """
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ConfigError(f"page_size must be an integer >= 1, got {page_size!r}")
@@ -130,39 +156,123 @@ class ForwardBatch:
         device = torch.device(device)
         prefix_lens = tuple(int(n) for n in prefix_lens)
         extend_lens = tuple(int(n) for n in extend_lens)
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-        offsets = torch.arange(page_size, dtype=torch.int64)
-
-        rows, positions = [], []
-        for i, (prefix, extend, table) in enumerate(
-            zip(prefix_lens, extend_lens, page_tables, strict=True)
-        ):
-            slots = _check_request(i, prefix, extend, table, page_size, num_slots)
-            rows.append((slots[:, None] * page_size + offsets).flatten()[: prefix + extend])
-            positions.append(torch.arange(prefix, prefix + extend, dtype=torch.int64))
+        tables = [
+            _check_request(i, prefix, extend, table, page_size, num_slots)
+            for i, (prefix, extend, table) in enumerate(
+                zip(prefix_lens, extend_lens, page_tables, strict=True)
+            )
+        ]
         cu_seqlens_host = tuple(accumulate(extend_lens, initial=0))
-        write_rows = [r[prefix:] for r, prefix in zip(rows, prefix_lens, strict=True)]
+        num_tokens = cu_seqlens_host[-1]
+        ids: list[torch.Tensor] = []
+        if input_ids is not None:
+            ids = [torch.as_tensor(input_ids).to(device="cpu", dtype=torch.int64).reshape(-1)]
+            if ids[0].numel() != num_tokens:
+                raise ConfigError(
+                    f"input_ids hold {ids[0].numel()} tokens, the batch packs {num_tokens}"
+                )
+        table_starts = list(accumulate((t.numel() for t in tables), initial=0))[:-1]
+
+        cached = tuple(i for i, prefix in enumerate(prefix_lens) if prefix)
 
         # One host-to-device copy for every index tensor, then views into it:
-        #   [ read rows of r0 | r1 | ... | write rows (T) | positions (T) | cu_seqlens (R + 1) ]
-        num_tokens = cu_seqlens_host[-1]
-        packed = torch.cat(
-            [*rows, *write_rows, *positions, torch.tensor(cu_seqlens_host, dtype=torch.int64)]
-        ).to(device)
-        read_index, write_index, packed_positions, cu_seqlens = packed.split(
-            [sum(seq_lens), num_tokens, num_tokens, len(cu_seqlens_host)]
+        #   [ page tables of r0 | r1 | ... | table starts (R) | prefix lens (R) | cu_seqlens (R+1)
+        #     | cached requests (C) | input ids (T, if given) ]
+        R = len(extend_lens)
+        small = torch.tensor(
+            [*table_starts, *prefix_lens, *cu_seqlens_host, *cached], dtype=torch.int64
         )
+        sizes = [sum(t.numel() for t in tables), R, R, R + 1, len(cached), num_tokens if ids else 0]
+        if device.type == "cuda":  # staged in pinned memory: the copy does not block the host
+            staged = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+            packed = torch.cat([*tables, small, *ids], out=staged).to(device, non_blocking=True)
+        else:
+            packed = torch.cat([*tables, small, *ids]).to(device)
+        page_table, starts, prefix_device, cu_seqlens, cached_device, packed_ids = packed.split(
+            sizes
+        )
+
+        # On the device: each packed token's request, position and pool row.
+        request = torch.repeat_interleave(
+            torch.arange(R, device=device), cu_seqlens.diff(), output_size=num_tokens
+        )
+        positions = (
+            torch.arange(num_tokens, device=device) - cu_seqlens[request] + prefix_device[request]
+        )
+        write_index = _pool_rows(page_table, starts[request], positions, page_size)
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         return cls(
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             page_size=page_size,
             cu_seqlens_host=cu_seqlens_host,
             cu_seqlens=cu_seqlens,
-            positions=packed_positions,
+            positions=positions,
             write_index=write_index,
-            read_index=read_index.split(seq_lens),
+            read_index=_ReadRows(
+                page_table, starts, cu_seqlens.diff() + prefix_device, seq_lens, page_size
+            ),
             last_index=cu_seqlens[1:] - 1,
+            max_extend=max((extend_lens[i] for i in cached), default=0),
+            cached_requests_host=cached,
+            cached_requests=cached_device,
+            prefix_lens_device=prefix_device,
+            page_table=page_table,
+            table_starts=starts,
+            input_ids=packed_ids if ids else None,
         )
+
+
+class _ReadRows(Sequence[torch.Tensor]):
+    """Per request, the pool rows of its whole sequence: built on the device on first use (the
+    Triton attention path never asks), by index arithmetic over the page tables."""
+
+    def __init__(
+        self,
+        page_table: torch.Tensor,
+        table_starts: torch.Tensor,
+        seq_device: torch.Tensor,
+        seq_lens: list[int],
+        page_size: int,
+    ) -> None:
+        self._args = (page_table, table_starts, seq_device, page_size)
+        self._seq_lens = seq_lens
+        self._rows: tuple[torch.Tensor, ...] | None = None
+
+    def _all(self) -> tuple[torch.Tensor, ...]:
+        if self._rows is None:
+            page_table, table_starts, seq_device, page_size = self._args
+            total, device = sum(self._seq_lens), page_table.device
+            request = torch.repeat_interleave(
+                torch.arange(len(self._seq_lens), device=device), seq_device, output_size=total
+            )
+            positions = (
+                torch.arange(total, device=device) - (seq_device.cumsum(0) - seq_device)[request]
+            )
+            rows = _pool_rows(page_table, table_starts[request], positions, page_size)
+            self._rows = rows.split(self._seq_lens)
+        return self._rows
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[torch.Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self._seq_lens)
+
+
+def _pool_rows(
+    page_table: torch.Tensor, table_start: torch.Tensor, positions: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Pool row of each token at ``positions`` of the request whose table starts at
+    ``table_start`` (both per token)."""
+    slots = page_table[table_start + torch.div(positions, page_size, rounding_mode="floor")]
+    return slots * page_size + positions % page_size
 
 
 def _check_request(

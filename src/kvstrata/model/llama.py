@@ -7,11 +7,9 @@ a per-request cache. (Fusing q/k/v or gate/up into one matmul was measured: on C
 because the split outputs are strided; on GPU it gains nothing at prefill sizes.)
 
 Per layer, the K/V of the packed extend tokens are written into the pool rows
-``batch.write_index``; then each request attends over its whole sequence. A request without a
-cached prefix attends to the K/V it just computed, which are bit-for-bit the rows it just wrote (the
-pool has the model's dtype), with ``is_causal=True`` so CUDA can pick the flash kernel. A request
-with a cached prefix gathers its rows ``batch.read_index[i]`` from the pool and attends with a
-bottom-right aligned causal mask (its queries are the last positions of the sequence).
+``batch.write_index``; then :class:`~kvstrata.model.attention.PagedAttention` attends each request's
+queries over its whole sequence, read from the pages (in place with the Triton kernel on CUDA,
+gathered per request with torch SDPA on the CPU; ``--attention`` chooses).
 """
 
 from __future__ import annotations
@@ -23,10 +21,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import ConfigError, RequestError
 from ..tiers.pool import DevicePool, torch_dtype
+from .attention import ATTENTION_BACKENDS, AttentionBackend, PagedAttention
+from .attention_kernel import AttentionKernelConfig
 from .batch import ForwardBatch, LayerHooks
 from .config import ModelConfig
 
@@ -107,6 +106,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         batch: ForwardBatch,
         pool: DevicePool,
+        attention: PagedAttention,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
@@ -122,41 +122,8 @@ class Attention(nn.Module):
         if batch.cp is not None:  # other ranks hold part of the keys: they exchange them
             out = batch.cp.attend(q, k, v, k_rows, v_rows)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-        out = torch.empty_like(q)
-        starts = batch.cu_seqlens_host
-        for i, prefix in enumerate(batch.prefix_lens):
-            start, end = starts[i], starts[i + 1]
-            if prefix == 0:
-                out[start:end] = self._attend(q[start:end], k[start:end], v[start:end])
-            else:
-                rows = batch.read_index[i]
-                out[start:end] = self._attend(
-                    q[start:end], k_rows.index_select(0, rows), v_rows.index_select(0, rows)
-                )
+        out = attention(q, k, v, pool.buffer("k", self.layer), pool.buffer("v", self.layer), batch)
         return self.o_proj(out.view(num_tokens, self.q_size))
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of ``L`` queries (``[L, heads, D]``) over ``S >= L`` keys.
-
-        The queries hold the last ``L`` of the ``S`` positions: query ``i`` sees keys
-        ``0 .. S - L + i``. Returns ``[L, heads, D]``.
-        """
-        num_queries, num_keys = q.shape[0], k.shape[0]
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        gqa = self.num_heads != self.num_kv_heads
-        if num_queries == num_keys:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            # is_causal aligns the mask top-left. With a cached prefix the queries are the last
-            # L of S positions, so the mask must align bottom-right (x: may attend):
-            #                keys 0 ... S-L ....... S-1
-            #     query 0         x x x x x
-            #     query L-1       x x x x x x x x x x x
-            # causal_lower_right does so, and on CUDA runs the flash kernel without an [L, S] mask.
-            mask = causal_lower_right(num_queries, num_keys)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return out[0].transpose(0, 1)
 
 
 class MLP(nn.Module):
@@ -189,8 +156,9 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         batch: ForwardBatch,
         pool: DevicePool,
+        attention: PagedAttention,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -213,6 +181,22 @@ class LlamaModel(nn.Module):
         # A plain attribute, not a buffer: it stays fp32 whatever dtype the weights take, and it is
         # real (on the host) even when the module is built on the meta device.
         self.inv_freq = rope_inv_freq(config)
+        self.attention_backend: AttentionBackend = "auto"
+        self.attention_kernel: AttentionKernelConfig | None = None
+
+    def use_attention(
+        self, backend: str, kernel: AttentionKernelConfig | None = None
+    ) -> LlamaModel:
+        """Choose the attention backend (``auto``, ``triton`` or ``sdpa``; see
+        :mod:`kvstrata.model.attention`) and the Triton kernel's launch shape; returns self.
+        The choice is checked against the pool's device at every forward."""
+        if backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"--attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}"
+            )
+        self.attention_backend = backend
+        self.attention_kernel = kernel
+        return self
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, state: Mapping[str, torch.Tensor]) -> LlamaModel:
@@ -246,12 +230,15 @@ class LlamaModel(nn.Module):
         if logits not in ("last", "all"):
             raise ConfigError(f"logits must be 'last' or 'all', got {logits!r}")
         self._check_inputs(input_ids, batch, pool)
+        attention = PagedAttention.for_device(
+            self.attention_backend, pool.device, self.config.head_dim, self.attention_kernel
+        )
         x = self.embed_tokens(input_ids)
         cos, sin = self._rope_tables(batch.positions, x.dtype)
         for i, layer in enumerate(self.layers):
             if hooks is not None:
                 hooks.before_layer(i)
-            x = layer(x, cos, sin, batch, pool)
+            x = layer(x, cos, sin, batch, pool, attention)
             if hooks is not None:
                 hooks.after_layer(i)
         if logits == "last":

@@ -446,6 +446,12 @@ class Transfer:
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
+    def use_kernel(self, config: transfer_kernel.KernelConfig) -> None:
+        """Launch later copies with ``config`` (the Triton path only; for benchmarks)."""
+        if not isinstance(self.copier, TritonCopier):
+            raise ConfigError("the kernel's launch shape applies to the triton backend only")
+        self.copier.config = config
+
     def stream(self, direction: Direction) -> torch.cuda.Stream | None:
         """The stream that runs ``direction``'s copies (None on CPU); for timing and tests."""
         return self._streams.get(direction)

@@ -9,8 +9,9 @@ buffer and no per-page launch::
                                                                  + src_offset + j],  0 <= j < chunk
 
 Work items are (page, block of ``block_words``) pairs; a program copies ``items_per_program``
-consecutive items, so fewer, fatter programs are one setting away. Pages are whole, so every access is contiguous and 16-byte aligned when the chunk
-is (Triton specialises arguments divisible by 16).
+consecutive items per step, and at most ``max_programs`` programs loop over the steps, so the copy
+leaves most SMs to the forward it overlaps. Pages are whole, so every access is contiguous and
+16-byte aligned when the chunk is (Triton specialises arguments divisible by 16).
 
 Triton is optional (the ``gpu`` extra). Without it :func:`require_triton` fails with the fix; with
 ``TRITON_INTERPRET=1`` (read by Triton itself) the same kernel runs on CPU tensors, which is how the
@@ -42,12 +43,18 @@ class KernelConfig:
         come from the sweep of ``kvstrata bench transfer --sweep`` on the H200 (1024 words also
         divides an MLA page, 18,432 words, so no block is partly masked).
     num_warps: warps per program.
-    items_per_program: work items (page, block) one program copies, unrolled.
+    items_per_program: work items (page, block) one program copies per step, unrolled.
+    max_programs: at most this many programs, each looping over its share of the steps (None:
+        one program per step). The copy is bound by PCIe, not by SMs, and a grid of thousands of
+        long-lived copy programs takes every SM from the forward it should overlap (measured on
+        the H200: an L2 hit's layer-wise load-back then added most of the copy to TTFT, and a
+        write-through prefill ran 5.7% slower); a few dozen programs still fill the link.
     """
 
     block_words: int = 1024
     num_warps: int = 4
     items_per_program: int = 4
+    max_programs: int | None = 32
 
     def __post_init__(self) -> None:
         bw = self.block_words
@@ -59,6 +66,8 @@ class KernelConfig:
             raise ConfigError(
                 f"items_per_program must lie in [1, 64], got {self.items_per_program}"
             )
+        if self.max_programs is not None and self.max_programs < 1:
+            raise ConfigError(f"max_programs must be >= 1 or None, got {self.max_programs}")
 
 
 def interpreting() -> bool:
@@ -104,22 +113,24 @@ if triton is not None:
         src_offset,
         dst_offset,
         chunk,
+        steps,
         BLOCK: tl.constexpr,
         ITEMS: tl.constexpr,
     ) -> None:
-        # Program p copies items p*ITEMS .. p*ITEMS + ITEMS - 1; an item is (page, block). The
-        # loop is unrolled at compile time (Triton's interpreter cannot run runtime-bound loops
-        # under numpy >= 2.4, and the unrolled loads can all be in flight at once).
+        # Step j of program p copies items (j * programs + p) * ITEMS + 0 .. ITEMS - 1; an item
+        # is (page, block). The ITEMS loads of a step are unrolled so they are in flight at once.
         cols = tl.arange(0, BLOCK)
-        for k in tl.static_range(ITEMS):
-            item = tl.program_id(0) * ITEMS + k
-            page = tl.minimum(item, num_items - 1) // parts  # past the end: masked below
-            col = (item % parts) * BLOCK + cols
-            mask = (col < chunk) & (item < num_items)
-            s = tl.load(src_slots + page).to(tl.int64)
-            d = tl.load(dst_slots + page).to(tl.int64)
-            words = tl.load(src + (s * src_stride + src_offset) + col, mask=mask)
-            tl.store(dst + (d * dst_stride + dst_offset) + col, words, mask=mask)
+        for j in range(0, steps):
+            first = (j * tl.num_programs(0) + tl.program_id(0)) * ITEMS
+            for k in tl.static_range(ITEMS):
+                item = first + k
+                page = tl.minimum(item, num_items - 1) // parts  # past the end: masked below
+                col = (item % parts) * BLOCK + cols
+                mask = (col < chunk) & (item < num_items)
+                s = tl.load(src_slots + page).to(tl.int64)
+                d = tl.load(dst_slots + page).to(tl.int64)
+                words = tl.load(src + (s * src_stride + src_offset) + col, mask=mask)
+                tl.store(dst + (d * dst_stride + dst_offset) + col, words, mask=mask)
 
 
 def copy_pages(
@@ -147,7 +158,8 @@ def copy_pages(
     block = min(config.block_words, triton.next_power_of_2(chunk))
     parts = triton.cdiv(chunk, block)
     items = n * parts
-    grid = triton.cdiv(items, config.items_per_program)
+    steps = triton.cdiv(items, config.items_per_program)
+    grid = steps if config.max_programs is None else min(steps, config.max_programs)
     kernel: Any = _copy_pages_kernel
     kernel[(grid,)](
         src,
@@ -161,6 +173,7 @@ def copy_pages(
         src_offset,
         dst_offset,
         chunk,
+        triton.cdiv(steps, grid),
         BLOCK=block,
         ITEMS=config.items_per_program,
         num_warps=config.num_warps,
