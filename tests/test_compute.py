@@ -14,16 +14,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstrata.errors import ConfigError
-from kvstrata.model.compute import _payload_bytes, _token_terms, synthetic_payload
+from kvstrata.model.compute import synthetic_payload
+
+M = 1 << 31
 
 
 def whole_sequence_payload(tokens: torch.Tensor, kv_width: int) -> torch.Tensor:
-    """The formula in one pass over the whole sequence (what synthetic_payload computed before
-    it was chunked): the reference the chunked version must reproduce byte for byte."""
+    """The formula written out in one pass over the whole sequence (what synthetic_payload
+    computed before it was chunked and before the forward's fast path): the reference every
+    implementation must reproduce byte for byte."""
     tokens = tokens.to(torch.int64)
     positions = torch.arange(tokens.numel())
-    state = torch.cumsum(_token_terms(tokens, positions), 0) % (1 << 31)
-    return _payload_bytes(state, tokens, kv_width)
+    weights = ((positions * 0x9E3779B1 + 0x7F4A7C15) % M) | 1
+    state = torch.cumsum(((tokens + 1) * weights) % M, 0) % M
+    lanes = torch.arange(kv_width, dtype=torch.int64)
+    shift = ((lanes % 4) * 8)[None, :]
+    mixed = state[:, None] ^ ((tokens[:, None] * 0x85EBCA77 + lanes[None, :] * 0x27D4EB2F) % M)
+    mixed = torch.where(lanes[None, :] < 4, state[:, None], mixed)
+    return ((mixed >> shift) & 0xFF).to(torch.uint8)
 
 
 @given(

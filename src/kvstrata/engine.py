@@ -253,8 +253,6 @@ class Engine:
         self.running: list[_Running] = []
         self.keep_logits: set[int] = set()  # request ids whose last-token logits are returned
         self.keep_all_logits: set[int] = set()  # ... whose logits for every computed token are
-        # Prefix keys of the full pages running requests are computing, with multiplicity.
-        self._inflight: dict[int, int] = {}
         self._reservations: dict[int, Reservation] = {}  # id(run) -> this step's backup
         self.deferred = 0
         self.steps = 0
@@ -331,13 +329,13 @@ class Engine:
         by an in-flight backup; one lock per running request and one host lock per load."""
         self.tree.check()
         self.allocator.check()
-        P = self.config.page_size
         held = sum(int((~self.tree.holds(r.own_pages())).sum()) for r in self.running)
-        inflight = sum(r.key.num_full_pages - r.inserted_len // P for r in self.running)
-        if sum(self._inflight.values()) != inflight:
-            raise AssertionError(
-                f"in-flight page keys {sum(self._inflight.values())} != {inflight}"
-            )
+        for r in self.running:
+            if not r.cached_len <= r.inserted_len <= r.done_len <= len(r.key):
+                raise AssertionError(
+                    f"request {r.request.rid}: cached {r.cached_len}, inserted "
+                    f"{r.inserted_len}, done {r.done_len} of {len(r.key)} out of order"
+                )
         if self.allocator.num_used != self.tree.num_pages + held:
             raise AssertionError(
                 f"device pages used {self.allocator.num_used} != tree {self.tree.num_pages} + "
@@ -442,7 +440,6 @@ class Engine:
                 self.waiting.appendleft(waiting)
                 break  # wait for running requests (or pending backups) to release pages
             self.running.append(run)
-            self._track(run, run.cached_len // cfg.page_size, +1)
             budget -= min(cfg.chunk_size, len(key) - run.done_len)
         self.waiting.extendleft(reversed(passed))
         return failed
@@ -469,27 +466,28 @@ class Engine:
 
     def _computing_now(self, key: TokenKey) -> bool:
         """Whether a running request is computing the first page ``key`` would compute and
-        could reuse (not the page of its own last token, which it recomputes anyway)."""
-        if not self._inflight:
+        could reuse (not the page of its own last token, which it recomputes anyway).
+
+        Page keys are prefix-closed and fold in the length, so a running request computes that
+        page exactly when its key at the same position is equal and it has not inserted the
+        page yet: one comparison per running request, and nothing to update as chunks finish.
+        """
+        if not self.running:
             return False
         P = self.config.page_size
         m = min(self.tree.match_length(key), self._reusable_len(len(key))) // P
-        return m < (len(key) - 1) // P and key.page_keys.item(m) in self._inflight
+        if m >= (len(key) - 1) // P:
+            return False
+        k = key.page_keys.item(m)
+        return any(
+            r.inserted_len // P <= m < r.key.num_full_pages and r.key.page_keys.item(m) == k
+            for r in self.running
+        )
 
     def _reusable_len(self, n: int) -> int:
         """The longest cached prefix a request of ``n`` tokens may use: whole pages, and never
         its last token (a prefill needs that token's logits)."""
         return (n - 1) // self.config.page_size * self.config.page_size
-
-    def _track(self, run: _Running, first: int, sign: int, last: int | None = None) -> None:
-        """Count (``sign`` +1) or uncount (-1) the keys of full pages ``[first, last)`` of
-        ``run`` as being computed."""
-        for k in run.key.page_keys[first:last].tolist():
-            count = self._inflight.get(k, 0) + sign
-            if count:
-                self._inflight[k] = count
-            else:
-                del self._inflight[k]
 
     def _try_start(self, request: Request, key: TokenKey, now: float) -> _Running | None:
         P = self.config.page_size
@@ -583,7 +581,9 @@ class Engine:
             return
         key = run.key.prefix(upto)
         span = page_span(upto, P)
-        result = self.tree.insert(key, run.pages[:span], run.inserted_len)
+        # The tree has held the first inserted_len tokens, locked, since this request matched or
+        # inserted them: only this chunk's tokens need comparing.
+        result = self.tree.insert(key, run.pages[:span], run.inserted_len, run.inserted_len)
         run.pages[:span] = result.pages  # the tree's own pages where it had them
         if result.free_pages.size:
             still_read = np.isin(result.free_pages, result.pages)
@@ -598,12 +598,9 @@ class Engine:
         if res is not None:
             assert self.backups is not None
             self.backups.attach(res, result.node)
-        self._track(run, run.inserted_len // P, -1, upto // P)
         run.inserted_len = upto
 
     def _finish(self, run: _Running, now: float) -> Finished:
-        P = self.config.page_size
-        self._track(run, run.inserted_len // P, -1)
         payload = (
             self.compute.snapshot(self.pool, run.pages, len(run.key)) if run.keep_logits else None
         )

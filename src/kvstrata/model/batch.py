@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache, cached_property
 from itertools import accumulate
 from typing import Protocol
 
@@ -43,7 +44,7 @@ class LayerHooks(Protocol):
     def after_layer(self, layer: int) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ForwardBatch:
     """Where the packed tokens of one forward read and write their K/V.
 
@@ -52,8 +53,12 @@ class ForwardBatch:
         ints, for slicing without a device sync); ``cu_seqlens`` is the same on the device.
     positions: ``[T]`` absolute position of every packed token.
     write_index: ``[T]`` pool token row that receives each packed token's K/V.
-    read_index: per request, ``[prefix + extend]`` pool rows of its whole sequence so far.
+    prefix_last_row: ``[R]`` pool row of each request's last cached token (-1 without a prefix).
     last_index: ``[R]`` packed index of each request's last token (whose logits a prefill returns).
+    page_tables: per request, the host page table trimmed to the pages its sequence covers.
+    read_index: per request, ``[prefix + extend]`` pool rows of its whole sequence so far; built on
+        first use, so a forward that never reads the prefix (``--model none``) does work that grows
+        with the tokens it computes, not with the requests' whole contexts.
     """
 
     prefix_lens: tuple[int, ...]
@@ -63,8 +68,10 @@ class ForwardBatch:
     cu_seqlens: torch.Tensor
     positions: torch.Tensor
     write_index: torch.Tensor
-    read_index: tuple[torch.Tensor, ...]
+    prefix_last_row: torch.Tensor
     last_index: torch.Tensor
+    page_tables: tuple[npt.NDArray[np.int64], ...]
+    device: torch.device
 
     @property
     def num_requests(self) -> int:
@@ -74,6 +81,18 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         """Packed tokens computed by this forward (the sum of the extend lengths)."""
         return self.cu_seqlens_host[-1]
+
+    @cached_property
+    def read_index(self) -> tuple[torch.Tensor, ...]:
+        P = self.page_size
+        offsets = np.arange(P, dtype=np.int64)
+        seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+        rows = [
+            (table[:, None] * P + offsets).ravel()[:n]
+            for table, n in zip(self.page_tables, seq_lens, strict=True)
+        ]
+        packed = torch.from_numpy(np.concatenate(rows)).to(self.device)
+        return packed.split(seq_lens)
 
     @classmethod
     def build(
@@ -90,7 +109,8 @@ class ForwardBatch:
         ``page_tables[i]`` lists the rank-local pool slots of request ``i``'s pages and must cover
         its ``prefix_lens[i] + extend_lens[i]`` tokens. With ``num_slots`` (the pool's slot count),
         slots are range-checked on the host, so a bad table raises here instead of as a device
-        assertion mid-forward.
+        assertion mid-forward. The work is proportional to the extend tokens and the pages they
+        touch (plus the page tables' range check with ``num_slots``).
         """
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ConfigError(f"page_size must be an integer >= 1, got {page_size!r}")
@@ -102,47 +122,76 @@ class ForwardBatch:
         if not extend_lens:
             raise ConfigError("a batch needs at least one request")
         device = torch.device(device)
+        P = page_size
         prefix_lens = tuple(int(n) for n in prefix_lens)
         extend_lens = tuple(int(n) for n in extend_lens)
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-        offsets = torch.arange(page_size, dtype=torch.int64)
-
-        rows, positions = [], []
-        for i, (prefix, extend, table) in enumerate(
-            zip(prefix_lens, extend_lens, page_tables, strict=True)
-        ):
-            slots = _check_request(i, prefix, extend, table, page_size, num_slots)
-            rows.append((slots[:, None] * page_size + offsets).flatten()[: prefix + extend])
-            positions.append(torch.arange(prefix, prefix + extend, dtype=torch.int64))
+        tables = [
+            _check_request(i, prefix, extend, table, P, num_slots)
+            for i, (prefix, extend, table) in enumerate(
+                zip(prefix_lens, extend_lens, page_tables, strict=True)
+            )
+        ]
         cu_seqlens_host = tuple(accumulate(extend_lens, initial=0))
-        write_rows = [r[prefix:] for r, prefix in zip(rows, prefix_lens, strict=True)]
+        num_tokens = cu_seqlens_host[-1]
+        # The pages the extends touch, end to end, expanded to rows; request i's extend is the
+        # run of rows that starts at its prefix's offset inside its first touched page:
+        #   rows   [ r0: pages prefix//P .. end | r1: pages ... | ... ]  (P rows per page)
+        #   write  rows[at_i : at_i + extend_i],  at_i = P * (pages before r0..i-1) + prefix % P
+        touched = [t[p // P :] for t, p in zip(tables, prefix_lens, strict=True)]
+        rows = (np.concatenate(touched)[:, None] * P + _offsets(P)).ravel()
+        writes, at = [], 0
+        for t, prefix, extend in zip(touched, prefix_lens, extend_lens, strict=True):
+            writes.append(rows[at + prefix % P : at + prefix % P + extend])
+            at += t.size * P
+        positions = [
+            np.arange(prefix, prefix + extend, dtype=np.int64)
+            for prefix, extend in zip(prefix_lens, extend_lens, strict=True)
+        ]
+        last_rows = [
+            t[(p - 1) // P] * P + (p - 1) % P if p else -1
+            for t, p in zip(tables, prefix_lens, strict=True)
+        ]
 
         # One host-to-device copy for every index tensor, then views into it:
-        #   [ read rows of r0 | r1 | ... | write rows (T) | positions (T) | cu_seqlens (R + 1) ]
-        num_tokens = cu_seqlens_host[-1]
-        packed = torch.cat(
-            [*rows, *write_rows, *positions, torch.tensor(cu_seqlens_host, dtype=torch.int64)]
+        #   [ write rows (T) | positions (T) | cu_seqlens (R + 1) | prefix last rows (R) ]
+        packed = torch.from_numpy(
+            np.concatenate(
+                [
+                    *writes,
+                    *positions,
+                    np.asarray(cu_seqlens_host, dtype=np.int64),
+                    np.asarray(last_rows, dtype=np.int64),
+                ]
+            )
         ).to(device)
-        read_index, write_index, packed_positions, cu_seqlens = packed.split(
-            [sum(seq_lens), num_tokens, num_tokens, len(cu_seqlens_host)]
+        write_index, packed_positions, cu_seqlens, prefix_last_row = packed.split(
+            [num_tokens, num_tokens, len(cu_seqlens_host), len(last_rows)]
         )
         return cls(
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
-            page_size=page_size,
+            page_size=P,
             cu_seqlens_host=cu_seqlens_host,
             cu_seqlens=cu_seqlens,
             positions=packed_positions,
             write_index=write_index,
-            read_index=read_index.split(seq_lens),
+            prefix_last_row=prefix_last_row,
             last_index=cu_seqlens[1:] - 1,
+            page_tables=tuple(tables),
+            device=device,
         )
+
+
+@cache
+def _offsets(page_size: int) -> npt.NDArray[np.int64]:
+    return np.arange(page_size, dtype=np.int64)
 
 
 def _check_request(
     i: int, prefix: int, extend: int, table: PageTable, page_size: int, num_slots: int | None
-) -> torch.Tensor:
-    """Request ``i``'s page table as a host int64 tensor, after checking it covers the sequence."""
+) -> npt.NDArray[np.int64]:
+    """Request ``i``'s page table as a host int64 array cut to the pages its sequence covers,
+    after checking it covers the sequence."""
     if prefix < 0:
         raise RequestError(f"request {i}: prefix length must be >= 0, got {prefix}")
     if extend < 1:
@@ -150,16 +199,20 @@ def _check_request(
             f"request {i}: extend length must be >= 1 (a prefill computes at least the last "
             f"token, for its logits), got {extend}"
         )
-    slots = torch.as_tensor(table).to(device="cpu", dtype=torch.int64)
-    if slots.dim() != 1:
-        raise RequestError(f"request {i}: a page table must be 1-D, got shape {tuple(slots.shape)}")
+    if isinstance(table, torch.Tensor):
+        table = table.detach().cpu().numpy()
+    slots = np.asarray(table)
+    if slots.ndim != 1:
+        raise RequestError(f"request {i}: a page table must be 1-D, got shape {slots.shape}")
+    if slots.size and slots.dtype.kind not in "iu":
+        raise RequestError(f"request {i}: page table slots must be integers, got {slots.dtype}")
     num_pages = page_span(prefix + extend, page_size)
-    if slots.numel() < num_pages:
+    if slots.size < num_pages:
         raise RequestError(
             f"request {i}: {prefix} cached + {extend} new tokens need {num_pages} pages of "
-            f"{page_size}, but its page table holds {slots.numel()}"
+            f"{page_size}, but its page table holds {slots.size}"
         )
-    slots = slots[:num_pages]
+    slots = slots[:num_pages].astype(np.int64, copy=False)
     if num_slots is not None and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
         raise RequestError(
             f"request {i}: page table slots must lie in [0, {num_slots}), got "
