@@ -23,7 +23,6 @@ so it waits for the chunk it needs, not the whole prefill. This reads only repli
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -35,6 +34,7 @@ import torch
 from .cache.allocator import PageAllocator
 from .cache.keys import TokenKey
 from .cache.radix import Node, RadixTree
+from .clock import Clock, StepWork, WallClock
 from .config import (
     DEFAULT_HOST_LAYOUT,
     HOST_LAYOUTS,
@@ -147,11 +147,13 @@ class Finished:
     prompt_len: int
     cached_len: int  # tokens served from the cache (both tiers)
     logits: torch.Tensor | None  # last-token logits on the CPU (None without a model or on error)
-    ttft_s: float  # engine time from the step it entered to its last-token logits
+    ttft_s: float  # clock time from its arrival to its last-token logits
     error: str | None = None
     payload: torch.Tensor | None = None  # the sequence's cached payload rows, when kept (no model)
     all_logits: torch.Tensor | None = None  # logits of every computed token, when asked for
     host_len: int = 0  # of cached_len, tokens loaded back from the host tier (L2)
+    queue_s: float = 0.0  # of ttft_s, from its arrival to the step it entered
+    load_wait_s: float = 0.0  # of ttft_s, steps it ran in spent waiting for load-back copies
 
     @property
     def computed_len(self) -> int:
@@ -161,6 +163,7 @@ class Finished:
 class _Waiting(NamedTuple):
     request: Request
     key: TokenKey  # hashed once, when the request is added
+    arrived_at: float
 
 
 @dataclass
@@ -173,7 +176,9 @@ class _Running:
     host_len: int  # of cached_len, loaded back from L2
     done_len: int
     inserted_len: int  # tokens of it the tree holds (matched or inserted chunk by chunk)
+    arrived_at: float
     entered_at: float
+    load_wait_at_entry: float  # the engine's load-back wait total when it entered
     keep_logits: bool
     keep_all_logits: bool
     # Pages the tree did not keep that it still reads (only after a key collision): freed at
@@ -190,14 +195,21 @@ class _Running:
 class Engine:
     """Prefill engine over one device pool (and an optional host pool), one radix tree and one
     page allocator per tier (one rank). ``frontier`` turns this rank's copy progress into the
-    commit frontier; context parallelism plugs its MIN all-reduce in there."""
+    commit frontier; context parallelism plugs its MIN all-reduce in there. ``clock`` stamps
+    arrivals, admissions and first tokens (the wall clock unless a simulated one is given); it
+    never takes part in a decision."""
 
     def __init__(
-        self, compute: Compute, config: EngineConfig, frontier: FrontierFn = local_frontier
+        self,
+        compute: Compute,
+        config: EngineConfig,
+        frontier: FrontierFn = local_frontier,
+        clock: Clock | None = None,
     ) -> None:
         self.compute = compute
         self.config = config
         self.frontier = frontier
+        self.clock: Clock = clock if clock is not None else WallClock()
         P = config.page_size
         layout = compute.layout
         self.pool = DevicePool(layout, P, config.pool_pages, config.device)
@@ -258,19 +270,21 @@ class Engine:
         self.steps = 0
         self.peak_pages_used = 0
         self.hit_tokens = {Tier.L1: 0, Tier.L2: 0}
+        self.load_wait_s = 0.0  # clock time steps spent waiting for load-back, in total
 
     # -- public ----------------------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
-        """Queue a request. One that can never run here is refused at once: the next
-        :meth:`step` returns it with its error."""
+    def add(self, request: Request, arrived_at: float | None = None) -> None:
+        """Queue a request that arrived at clock time ``arrived_at`` (default: now). One that can
+        never run here is refused at once: the next :meth:`step` returns it with its error."""
+        arrived = self.clock.now() if arrived_at is None else arrived_at
         error = self._refusal(request)
         if error is not None:
             self._refused.append(
                 Finished(request.rid, request.tokens.size, 0, None, 0.0, str(error))
             )
             return
-        self.waiting.append(_Waiting(request, self.tree.key(request.tokens)))
+        self.waiting.append(_Waiting(request, self.tree.key(request.tokens), arrived))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._refused)
@@ -278,7 +292,8 @@ class Engine:
     def step(self) -> list[Finished]:
         """Settle finished copies, admit what fits, run one packed forward, insert what it
         computed, finish the requests it completed."""
-        started = time.perf_counter()
+        started = self.clock.now()
+        before = self._moved()
         self._settle()
         finished = self._admit(started)
         if not self.running:
@@ -300,7 +315,16 @@ class Engine:
             self.loads.end_forward()
         if self.pool.device.type == "cuda":
             torch.cuda.synchronize(self.pool.device)
-        now = time.perf_counter()
+        after = self._moved()
+        self.load_wait_s += self.clock.charge(
+            StepWork(
+                computed_tokens=sum(extend for _, extend in chosen),
+                h2d_bytes=after[0] - before[0],
+                d2h_bytes=after[1] - before[1],
+                load_wait_s=after[2] - before[2],
+            )
+        )
+        now = self.clock.now()
         offset = 0
         for i, (run, extend) in enumerate(chosen):
             run.done_len += extend
@@ -365,6 +389,14 @@ class Engine:
     def transfer_stats(self) -> TransferStats | None:
         return self.transfer.stats() if self.transfer is not None else None
 
+    def _moved(self) -> tuple[int, int, float]:
+        """Bytes submitted host -> device and device -> host, and the measured load-back wait,
+        so far (what the clock charges a step by)."""
+        if self.transfer is None or self.loads is None:
+            return 0, 0, 0.0
+        stats = self.transfer.stats()
+        return stats.h2d_submitted_bytes, stats.d2h_submitted_bytes, self.loads.stats.wait_s
+
     # -- copies: the frontier and the per-layer hooks --------------------------------------------
 
     def _drain(self) -> None:
@@ -426,15 +458,17 @@ class Engine:
         passed: list[_Waiting] = []
         while self.waiting and len(self.running) < cfg.max_batch_requests and budget > 0:
             waiting = self.waiting.popleft()
-            request, key = waiting
+            request, key, arrived_at = waiting
             if self._computing_now(key):
                 passed.append(waiting)
                 self.deferred += 1
                 continue
             try:
-                run = self._try_start(request, key, now)
+                run = self._try_start(request, key, arrived_at, now)
             except RequestError as error:
-                failed.append(Finished(request.rid, len(key), 0, None, 0.0, str(error)))
+                failed.append(
+                    Finished(request.rid, len(key), 0, None, now - arrived_at, str(error))
+                )
                 continue
             if run is None:
                 self.waiting.appendleft(waiting)
@@ -489,7 +523,9 @@ class Engine:
         its last token (a prefill needs that token's logits)."""
         return (n - 1) // self.config.page_size * self.config.page_size
 
-    def _try_start(self, request: Request, key: TokenKey, now: float) -> _Running | None:
+    def _try_start(
+        self, request: Request, key: TokenKey, arrived_at: float, now: float
+    ) -> _Running | None:
         P = self.config.page_size
         tree, allocator = self.tree, self.allocator
         n = len(key)
@@ -536,7 +572,9 @@ class Engine:
             host_len=host_len,
             done_len=cached_len,
             inserted_len=cached_len,
+            arrived_at=arrived_at,
             entered_at=now,
+            load_wait_at_entry=self.load_wait_s,
             keep_logits=request.rid in self.keep_logits,
             keep_all_logits=request.rid in self.keep_all_logits,
         )
@@ -612,8 +650,10 @@ class Engine:
             prompt_len=len(run.key),
             cached_len=run.cached_len,
             logits=run.logits,
-            ttft_s=now - run.entered_at,
+            ttft_s=now - run.arrived_at,
             payload=payload,
             all_logits=torch.cat(run.logit_chunks) if run.logit_chunks else None,
             host_len=run.host_len,
+            queue_s=run.entered_at - run.arrived_at,
+            load_wait_s=self.load_wait_s - run.load_wait_at_entry,
         )

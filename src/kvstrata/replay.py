@@ -24,21 +24,26 @@ import ctypes
 import itertools
 import os
 import platform
+import sys
+import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from . import __version__
+from .arrivals import ArrivalSpec, ArrivalTimes
 from .cache.radix import TreeStats
+from .clock import Clock, CostModel, make_clock
 from .config import KVLayout
 from .engine import Engine, EngineConfig, Finished
 from .errors import ConfigError
 from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
+from .metrics import CacheMetrics, MetricsServer, RequestTotals
 from .model.compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
@@ -46,7 +51,9 @@ from .progress import Progress
 from .residency import Tier
 from .workloads import DEFAULT_VOCAB_SIZE, Request, SkippedLine, load_workload
 
-SUMMARY_SCHEMA = 1
+#: 2: TTFT counts from each request's arrival (``ttft_ms`` gains ``mean``), with ``ttft_parts_ms``,
+#: ``ttft_by_hit_ms``, ``clock`` and ``arrivals``.
+SUMMARY_SCHEMA = 2
 #: Failed requests and skipped trace lines a summary lists by message (the counts are complete).
 LISTED_ERRORS = 20
 _MAX_SEED = 2**64 - 1  # torch generators take seeds up to 2**64 - 1
@@ -68,6 +75,11 @@ class ReplayConfig:
     seed: int = 0
     threads: int | None = None  # torch intra-op threads while replaying; None leaves torch's
     lookahead: int | None = None  # requests read ahead of the engine; None: 2 x max_batch_requests
+    arrivals: ArrivalSpec = field(default_factory=ArrivalSpec)  # None kind: from the workload
+    clock: str = "auto"  # auto (sim with model "none", else wall), wall or sim
+    cost: CostModel | None = None  # the simulated clock's; None: the device's measured defaults
+    metrics_port: int | None = None  # serve Prometheus metrics on this port (0: any free one)
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not 0 <= self.seed <= _MAX_SEED:
@@ -91,6 +103,10 @@ class ReplayConfig:
             raise ConfigError(f"--verify takes a number of requests >= 0, got {self.verify}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be >= 1, got {self.limit}")
+        if self.clock not in ("auto", "wall", "sim"):
+            raise ConfigError(f"--clock must be auto, wall or sim, got {self.clock!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must lie in [0, 65535], got {self.metrics_port}")
         if self.lookahead is not None and self.lookahead < self.engine.max_batch_requests:
             raise ConfigError(
                 f"--lookahead ({self.lookahead}) must be >= --max-batch-requests "
@@ -218,6 +234,12 @@ class ReplaySummary:
     total_requests: int = 0
     tiers: TierReport | None = None  # what the L2 host tier did (None without one)
     tree: TreeStats | None = None  # the radix tree's own size at the end
+    # TTFT's parts (queue wait, load-back wait, compute), and TTFT of requests served partly from
+    # the cache against those computed whole: {name: {mean, p50, p90, p99}} in ms.
+    ttft_parts_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    ttft_by_hit_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    clock: dict[str, Any] = field(default_factory=dict)  # kind, seconds (its time at the end), cost
+    arrivals: str = "burst"
 
     @property
     def hit_ratio(self) -> float:
@@ -250,6 +272,10 @@ class ReplaySummary:
             "computed_tokens": self.computed_tokens,
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "ttft_ms": self.ttft_ms,
+            "ttft_parts_ms": self.ttft_parts_ms,
+            "ttft_by_hit_ms": self.ttft_by_hit_ms,
+            "arrivals": self.arrivals,
+            "clock": self.clock,
             "seconds": round(self.seconds, 3),
             "steps": self.steps,
             "pool": {
@@ -281,10 +307,22 @@ class ReplaySummary:
             ("hit ratio", f"{self.hit_ratio:.4f}"),
             ("computed tokens", f"{self.computed_tokens:,}"),
             ("prefill tokens/s", f"{self.prefill_tokens_per_s:,.0f}"),
+            ("arrivals, clock", f"{self.arrivals}, {self.describe_clock()}"),
             (
                 "TTFT p50/p90/p99 ms",
                 f"{self.ttft_ms['p50']:.2f} / {self.ttft_ms['p90']:.2f} / {self.ttft_ms['p99']:.2f}",
             ),
+        ]
+        if self.ttft_parts_ms:
+            parts = self.ttft_parts_ms
+            rows.append(
+                (
+                    "TTFT mean ms: queue + load + compute",
+                    f"{self.ttft_ms['mean']:.2f} = {parts['queue']['mean']:.2f} + "
+                    f"{parts['load_back']['mean']:.2f} + {parts['compute']['mean']:.2f}",
+                )
+            )
+        rows += [
             (
                 "pool pages used (peak / end / total)",
                 f"{self.pool_pages_used_peak:,} / {self.pool_pages_cached_end:,} / {self.pool_pages:,}",
@@ -304,6 +342,18 @@ class ReplaySummary:
             rows.append((f"verify ({self.verify.requests} requests)", self.verify.describe()))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {val}" for k, val in rows)
+
+    def describe_clock(self) -> str:
+        """The clock the times are on, in words."""
+        if not self.clock:
+            return "wall"
+        if self.clock["kind"] == "wall":
+            return f"wall, {self.clock['seconds']:,.1f} s"
+        cost = self.clock["cost"]
+        return (
+            f"simulated {self.clock['seconds']:,.1f} s ({cost['tokens_per_s']:,.0f} tokens/s, "
+            f"h2d {cost['h2d_gbps']:g} / d2h {cost['d2h_gbps']:g} GB/s)"
+        )
 
     def problems(self) -> list[str]:
         """The failed requests and skipped trace lines, one line each, cut at
@@ -380,11 +430,16 @@ def _check_memory(cfg: ReplayConfig, shape: _Shape) -> None:
         check_fits(cpu_parts, torch.device("cpu"), hint="lower --l1-tokens or the L2 size")
 
 
-def _percentiles(values: Sequence[float]) -> dict[str, float]:
+def _percentiles(values: Sequence[float] | np.ndarray, mean: bool = False) -> dict[str, float]:
+    """p50/p90/p99 (and the mean) of seconds, in ms rounded to the µs."""
+    out = {"mean": 0.0} if mean else {}
     if not len(values):
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
-    q = np.percentile(np.array(values) * 1e3, [50, 90, 99])
-    return {
+        return out | {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    ms = np.asarray(values, dtype=np.float64) * 1e3
+    q = np.percentile(ms, [50, 90, 99])
+    if mean:
+        out["mean"] = round(float(ms.mean()), 3)
+    return out | {
         "p50": round(float(q[0]), 3),
         "p90": round(float(q[1]), 3),
         "p99": round(float(q[2]), 3),
@@ -447,7 +502,12 @@ class _Tally:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
-    ttft_s: array[float] = field(default_factory=lambda: array("d"))  # 8 bytes per request
+    l2_cached_tokens: int = 0
+    # Per served request (25 bytes each): TTFT, its queue and load-back parts, whether it hit.
+    ttft_s: array[float] = field(default_factory=lambda: array("d"))
+    queue_s: array[float] = field(default_factory=lambda: array("d"))
+    load_wait_s: array[float] = field(default_factory=lambda: array("d"))
+    hit: array[int] = field(default_factory=lambda: array("b"))
     errors: list[str] = field(default_factory=list)  # the first LISTED_ERRORS
 
     def add(self, f: Finished) -> None:
@@ -460,7 +520,35 @@ class _Tally:
         self.prompt_tokens += f.prompt_len
         self.cached_tokens += f.cached_len
         self.computed_tokens += f.computed_len
+        self.l2_cached_tokens += f.host_len
         self.ttft_s.append(f.ttft_s)
+        self.queue_s.append(f.queue_s)
+        self.load_wait_s.append(f.load_wait_s)
+        self.hit.append(f.cached_len > 0)
+
+    def totals(self) -> RequestTotals:
+        return RequestTotals(
+            self.requests, self.failed, self.prompt_tokens, self.cached_tokens, self.computed_tokens
+        )
+
+    def ttft_parts_ms(self) -> dict[str, dict[str, float]]:
+        ttft, queue, load = (
+            np.frombuffer(a, dtype=np.float64)
+            for a in (self.ttft_s, self.queue_s, self.load_wait_s)
+        )
+        return {
+            "queue": _percentiles(queue, mean=True),
+            "load_back": _percentiles(load, mean=True),
+            "compute": _percentiles(ttft - queue - load, mean=True),
+        }
+
+    def ttft_by_hit_ms(self) -> dict[str, dict[str, float]]:
+        ttft = np.frombuffer(self.ttft_s, dtype=np.float64)
+        hit = np.frombuffer(self.hit, dtype=np.int8).astype(bool)
+        return {
+            name: {"requests": int(mask.sum())} | _percentiles(ttft[mask], mean=True)
+            for name, mask in (("cached", hit), ("recomputed", ~hit))
+        }
 
 
 #: Engine steps between returns of freed heap memory to the OS (see :func:`release_free_heap`).
@@ -493,15 +581,45 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 _MALLOC_TRIM = _find_malloc_trim()
 
 
+class ReplayObserver(Protocol):
+    """Watches a replay: the report's timeline and tests plug in here. Called outside the
+    engine lock, from the replay's own thread."""
+
+    def on_start(self, run: ReplayRun) -> None: ...
+
+    def on_step(self, run: ReplayRun) -> None: ...
+
+    def on_end(self, run: ReplayRun) -> None:
+        """After the last step and the final drain; the metrics endpoint still serves."""
+        ...
+
+
+@dataclass
+class ReplayRun:
+    """A replay in progress: what observers see."""
+
+    config: ReplayConfig
+    engine: Engine
+    tally: _Tally
+    clock: Clock
+    lock: threading.Lock  # held around every engine call; a metrics scrape takes it too
+    metrics_url: str | None = None
+
+
 def run_replay(
-    cfg: ReplayConfig, progress: bool = True, compute: Compute | None = None
+    cfg: ReplayConfig,
+    progress: bool = True,
+    compute: Compute | None = None,
+    observers: Sequence[ReplayObserver] = (),
 ) -> ReplaySummary:
     """Replay ``cfg.workload`` and return the summary (also used by tests and benchmarks).
 
-    The workload streams: at most ``cfg.lookahead`` requests (default twice
-    ``max_batch_requests``) are read ahead of the engine, counting those waiting and running, and
-    a finished request is folded into the summary's totals and dropped. Memory therefore holds the
-    cache plus the requests in flight, whatever the workload's length.
+    Requests enter the engine at their arrival time on the engine's clock (``cfg.arrivals``), and
+    at most ``cfg.lookahead`` requests (default twice ``max_batch_requests``) are read ahead of
+    the engine, counting those waiting and running; a finished request is folded into the
+    summary's totals and dropped. Memory therefore holds the cache plus the requests in flight,
+    whatever the workload's length. With ``cfg.metrics_port`` the engine's Prometheus metrics are
+    served meanwhile.
 
     Runs with ``cfg.threads`` torch intra-op threads (restored afterwards). A KeyboardInterrupt
     while requests run ends the replay early: the summary covers the requests finished so far
@@ -511,12 +629,22 @@ def run_replay(
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        return _run(cfg, progress, compute)
+        return _run(cfg, progress, compute, observers)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySummary:
+def cost_model(cfg: ReplayConfig) -> CostModel:
+    """The simulated clock's cost model: ``cfg.cost``, or the device's measured defaults."""
+    return cfg.cost or CostModel.for_device(cfg.engine.device)
+
+
+def _run(
+    cfg: ReplayConfig,
+    progress: bool,
+    compute: Compute | None,
+    observers: Sequence[ReplayObserver],
+) -> ReplaySummary:
     shape = _shape(cfg, compute)
     pool_tokens = cfg.engine.pool_pages * cfg.engine.page_size
     workload = load_workload(
@@ -533,44 +661,43 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
             f" ({workload.num_skipped} malformed lines skipped)" if workload.num_skipped else ""
         )
         raise ConfigError(f"workload {cfg.workload!r} has no requests{skipped}")
+    arrivals = cfg.arrivals.resolve(first)
+    cost = cost_model(cfg)
     requests: Iterator[Request] | None = itertools.chain([first], stream)
     _check_memory(cfg, shape)
     compute = compute or build_compute(cfg)
-    engine = Engine(compute, cfg.engine)
+    clock = make_clock(cfg.clock, cfg.model, cost)
+    engine = Engine(compute, cfg.engine, clock=clock)
     sample = VerifySample(cfg.verify, cfg.seed, engine.keep_logits)
     tally = _Tally()
-    lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
-    read = 0  # requests read from the workload
-    interrupted = False
-    seconds = 0.0  # engine time only: reading or generating the workload is not prefill
+    run = ReplayRun(cfg, engine, tally, clock, threading.Lock())
+    server = None
+    if cfg.metrics_port is not None:
+        from prometheus_client import CollectorRegistry  # an extra: imported when asked for
+
+        registry = CollectorRegistry()
+        CacheMetrics(registry, engine, run.lock, tally.totals)
+        server = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port)
+        run.metrics_url = server.url
+        if progress:
+            print(f"kvstrata replay: metrics on {server.url}", file=sys.stderr)
     try:
-        with Progress("replay", workload.num_requests, enabled=progress) as bar:
-            while True:
-                while requests is not None and read - tally.requests < lookahead:
-                    request = next(requests, None)
-                    if request is None:
-                        requests = None
-                        break
-                    sample.offer(request)
-                    engine.add(request)
-                    read += 1
-                if not engine.has_work():
-                    break
-                start = time.perf_counter()
-                done = engine.step()
-                seconds += time.perf_counter() - start
-                if engine.steps % TRIM_EVERY_STEPS == 0:
-                    release_free_heap()
-                for f in done:
-                    tally.add(f)
-                    sample.collect(f)
-                bar.update(len(done), sum(f.computed_len for f in done))
-    except KeyboardInterrupt:
-        interrupted = True
-    if not interrupted:
-        start = time.perf_counter()
-        engine.drain()  # settle the copies still in flight, so the tiers report final state
-        seconds += time.perf_counter() - start
+        summary = _drive(
+            cfg,
+            run,
+            requests,
+            ArrivalTimes(arrivals, cfg.seed),
+            sample,
+            observers,
+            progress,
+            workload.num_requests,
+        )
+        interrupted, seconds, read = summary
+        for observer in observers:
+            observer.on_end(run)
+    finally:
+        if server is not None:
+            server.close()
 
     verify = VerifyReport()
     if not interrupted:
@@ -579,6 +706,7 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
             verify = _verify(cfg, compute, sampled, sample.requests, progress)
         except KeyboardInterrupt:
             interrupted = True
+    lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
     return ReplaySummary(
         requests=tally.requests,
         failed=tally.failed,
@@ -586,7 +714,7 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
         cached_tokens=tally.cached_tokens,
         computed_tokens=tally.computed_tokens,
         seconds=seconds,
-        ttft_ms=_percentiles(tally.ttft_s),
+        ttft_ms=_percentiles(tally.ttft_s, mean=True),
         pool_pages=engine.allocator.num_pages,
         pool_pages_used_peak=engine.peak_pages_used,
         pool_pages_cached_end=engine.tree.num_pages,
@@ -616,6 +744,9 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
             "verify": cfg.verify,
             "seed": cfg.seed,
             "threads": torch.get_num_threads(),
+            "arrivals": arrivals.describe(),
+            "time_scale": arrivals.time_scale,
+            "clock": clock.kind,
         },
         errors=tally.errors,
         skipped=tuple(workload.skipped),
@@ -624,7 +755,86 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None) -> ReplaySu
         total_requests=workload.num_requests or read,
         tiers=TierReport.of(engine),
         tree=engine.tree.stats(),
+        ttft_parts_ms=tally.ttft_parts_ms(),
+        ttft_by_hit_ms=tally.ttft_by_hit_ms(),
+        clock={
+            "kind": clock.kind,
+            "seconds": round(clock.now(), 6),
+            "cost": asdict(cost) if clock.kind == "sim" else None,
+        },
+        arrivals=arrivals.describe(),
     )
+
+
+def _drive(
+    cfg: ReplayConfig,
+    run: ReplayRun,
+    requests: Iterator[Request] | None,
+    arrival_times: ArrivalTimes,
+    sample: VerifySample,
+    observers: Sequence[ReplayObserver],
+    progress: bool,
+    num_requests: int | None,
+) -> tuple[bool, float, int]:
+    """The replay loop. Returns (interrupted, engine seconds, requests read).
+
+    Each turn adds the requests that have arrived by now (the window permitting), then runs one
+    engine step; with nothing to run it lets the clock pass to the next arrival. Engine seconds
+    are wall time spent in the engine (adding requests hashes them; stepping), not in reading or
+    generating the workload, nor idling between arrivals.
+    """
+    engine, tally, clock, lock = run.engine, run.tally, run.clock, run.lock
+    lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
+    read = 0  # requests read from the workload
+    pending: Request | None = None  # read, not yet arrived (or no room in the window)
+    arrives_at = 0.0
+    seconds = 0.0
+    interrupted = False
+    for observer in observers:
+        observer.on_start(run)
+    try:
+        with Progress("replay", num_requests, enabled=progress) as bar:
+            while True:
+                with lock:
+                    while read - tally.requests < lookahead:
+                        if pending is None:  # reading the workload is not engine time
+                            pending = next(requests, None) if requests is not None else None
+                            if pending is None:
+                                requests = None
+                                break
+                            arrives_at = arrival_times.next(pending)
+                            sample.offer(pending)
+                            read += 1
+                        if arrives_at > clock.now():
+                            break
+                        start = time.perf_counter()
+                        engine.add(pending, arrives_at)
+                        seconds += time.perf_counter() - start
+                        pending = None
+                    if not engine.has_work():
+                        if pending is None:
+                            break
+                        clock.wait_until(arrives_at)  # idle: let time pass to the next arrival
+                        continue
+                    start = time.perf_counter()
+                    done = engine.step()
+                    seconds += time.perf_counter() - start
+                if engine.steps % TRIM_EVERY_STEPS == 0:
+                    release_free_heap()
+                for f in done:
+                    tally.add(f)
+                    sample.collect(f)
+                for observer in observers:
+                    observer.on_step(run)
+                bar.update(len(done), sum(f.computed_len for f in done))
+    except KeyboardInterrupt:
+        interrupted = True
+    if not interrupted:
+        start = time.perf_counter()
+        with lock:
+            engine.drain()  # settle the copies still in flight, so the tiers report final state
+        seconds += time.perf_counter() - start
+    return interrupted, seconds, read
 
 
 def recompute_uncached(compute: Compute, config: EngineConfig, request: Request) -> torch.Tensor:
