@@ -80,3 +80,42 @@ def test_payload_memory_does_not_grow_with_the_sequence() -> None:
     )
     report = json.loads(out.stdout)
     assert report["peak_mib"] < report["out_mib"] + 200, report
+
+
+@pytest.mark.parametrize("kv_width", [4, 5, 8, 13])
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_forward_writes_the_payload_of_each_whole_sequence(kv_width: int, path: str) -> None:
+    """Both forwards (numpy on a CPU pool, torch ops elsewhere) write, chunk by chunk over
+    several batches, exactly the bytes ``synthetic_payload`` gives for each whole sequence."""
+    import numpy as np
+
+    from kvstrata.model.batch import ForwardBatch
+    from kvstrata.model.compute import SyntheticCompute
+    from kvstrata.tiers.pool import DevicePool
+
+    P, rng = 4, np.random.default_rng(kv_width)
+    compute = SyntheticCompute(kv_width, 1000)
+    pool = DevicePool(compute.layout, P, 256, "cpu")
+    forward = compute._forward_host if path == "host" else compute._forward_device
+    lengths = [37, 9, 64, 1]
+    slots = rng.permutation(256).astype(np.int64)
+    tables, used = [], 0
+    for n in lengths:
+        tables.append(slots[used : used + -(-n // P)])
+        used += -(-n // P)
+    seqs = [torch.from_numpy(rng.integers(0, 2**32 - 1, n, dtype=np.int64)) for n in lengths]
+    done = [0] * len(lengths)
+    while any(d < n for d, n in zip(done, lengths, strict=True)):
+        live = [i for i, n in enumerate(lengths) if done[i] < n]
+        extends = [min(int(rng.integers(1, 20)), lengths[i] - done[i]) for i in live]
+        batch = ForwardBatch.build([done[i] for i in live], extends, [tables[i] for i in live], P)
+        ids = torch.cat(
+            [seqs[i][done[i] : done[i] + e] for i, e in zip(live, extends, strict=True)]
+        )
+        table = compute._weights(max(lengths), pool.device)
+        forward(ids, batch, pool, table)
+        for i, e in zip(live, extends, strict=True):
+            done[i] += e
+    for i, n in enumerate(lengths):
+        got = compute.snapshot(pool, tables[i], n)
+        assert torch.equal(got, whole_sequence_payload(seqs[i], kv_width)), i

@@ -38,7 +38,7 @@ from .command import (
 from .config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, WRITE_POLICIES
 
 if TYPE_CHECKING:
-    from .replay import ReplayConfig
+    from .replay import ReplayConfig, ReplayObserver, ReplayRun
 
 #: Default torch intra-op threads of ``replay``: one, because the engine's per-step ops are small
 #: and two threads make a replay 10-20x slower as soon as another process uses a core
@@ -359,13 +359,14 @@ def _run_replay(args: argparse.Namespace) -> int:
     from .replay import run_replay
 
     cfg = _replay_config(args)
-    observers = []
+    observers: list[ReplayObserver] = [_AnnounceMetrics()]
     timeline = None
     if args.report is not None:
         from .report import require_matplotlib
         from .timeline import Timeline
 
         require_matplotlib()  # before the replay, not after it
+        _make_dir(args.report)
         timeline = Timeline()
         observers.append(timeline)
     summary = run_replay(cfg, progress=not args.no_progress, observers=observers)
@@ -399,6 +400,20 @@ def _run_replay(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _AnnounceMetrics:
+    """Says where the metrics are served (the port may have been picked by the system)."""
+
+    def on_start(self, run: ReplayRun) -> None:
+        if run.metrics_url is not None:
+            print(f"kvstrata replay: metrics on {run.metrics_url}", file=sys.stderr, flush=True)
+
+    def on_step(self, run: ReplayRun) -> None:
+        pass
+
+    def on_end(self, run: ReplayRun) -> None:
+        pass
+
+
 def _sweep_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sweep",
@@ -429,6 +444,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
     from .sweep import COLUMNS, SweepGrid, configs, lookup, run_sweep, write_sweep_report
 
     require_matplotlib()
+    _make_dir(args.report)
     grid = SweepGrid(
         l1_tokens=_sizes(args.l1_tokens, "--l1-tokens"),
         l2_tokens=_sizes(args.l2_tokens, "--l2-tokens"),
@@ -452,6 +468,18 @@ def _run_sweep(args: argparse.Namespace) -> int:
         print("kvstrata sweep: interrupted; the report covers the runs finished", file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK
+
+
+def _make_dir(path: str) -> None:
+    """Create a report directory now, so a path that cannot hold it fails before the replay."""
+    from pathlib import Path
+
+    from .errors import ConfigError
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create the report directory {path}: {err.strerror}") from None
 
 
 def _cell(value: object) -> str:

@@ -24,7 +24,6 @@ import ctypes
 import itertools
 import os
 import platform
-import sys
 import threading
 import time
 from array import array
@@ -107,6 +106,11 @@ class ReplayConfig:
             raise ConfigError(f"--clock must be auto, wall or sim, got {self.clock!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must lie in [0, 65535], got {self.metrics_port}")
+        if not self.metrics_host.strip():
+            raise ConfigError(
+                "--metrics-host must name an address (127.0.0.1 by default; 0.0.0.0 for every "
+                "interface)"
+            )
         if self.lookahead is not None and self.lookahead < self.engine.max_batch_requests:
             raise ConfigError(
                 f"--lookahead ({self.lookahead}) must be >= --max-batch-requests "
@@ -679,8 +683,6 @@ def _run(
         CacheMetrics(registry, engine, run.lock, tally.totals)
         server = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port)
         run.metrics_url = server.url
-        if progress:
-            print(f"kvstrata replay: metrics on {server.url}", file=sys.stderr)
     try:
         summary = _drive(
             cfg,

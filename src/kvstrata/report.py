@@ -65,7 +65,9 @@ figcaption {{ color: #555; font-size: 0.9em; }}
 <div><h2>Configuration</h2>{config}</div>
 <div><h2>Versions</h2>{versions}<h2>Machine</h2>{machine}</div>
 </div>
+<div class="grid">
 {figures}
+</div>
 <h2>Numbers</h2>
 {numbers}
 </body>

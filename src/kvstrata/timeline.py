@@ -2,7 +2,8 @@
 
 :class:`Timeline` is a replay observer. After engine steps it records, on the engine's clock, the
 finished requests' totals (prompt tokens, hit tokens by tier), the pages each tier holds and the
-bytes copied each way. It keeps at most ``max_points`` samples whatever the replay's length: every
+bytes copied each way. It keeps at most ``max_points`` samples (and the final one) whatever the
+replay's length: every
 step at first; when full, every other sample is dropped and the stride between samples doubles,
 so the samples stay evenly spaced in steps. At the end it copies each served request's TTFT and
 whether it hit the cache (for the TTFT distribution).
@@ -61,12 +62,14 @@ class Timeline:
             self._record(run)
 
     def on_end(self, run: ReplayRun) -> None:
-        if not self.columns["step"] or self.columns["step"][-1] != run.engine.steps:
-            self._record(run)
+        if self.columns["step"][-1] != run.engine.steps:
+            self._record(run, final=True)
         self.ttft_s = np.frombuffer(run.tally.ttft_s, dtype=np.float64).copy()
         self.hit = np.frombuffer(run.tally.hit, dtype=np.int8).astype(np.bool_)
 
-    def _record(self, run: ReplayRun) -> None:
+    def _record(self, run: ReplayRun, final: bool = False) -> None:
+        """Append a sample; when that fills the timeline (unless it is the final one, which is
+        always kept), drop every other sample and double the stride."""
         engine, tally = run.engine, run.tally
         stats = engine.transfer_stats()
         host = engine.host_allocator
@@ -84,7 +87,7 @@ class Timeline:
         )
         for name, value in zip(COLUMNS, row, strict=True):
             self.columns[name].append(float(value))
-        if len(self.columns["step"]) >= self.max_points:
+        if not final and len(self.columns["step"]) >= self.max_points:
             for name in COLUMNS:  # keep samples 0, 2, 4, ...: evenly spaced at twice the stride
                 self.columns[name] = self.columns[name][::2]
             self.stride *= 2

@@ -143,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
-    if not args.scrape_interval > 0:
-        raise ConfigError(f"--scrape-interval must be > 0, got {args.scrape_interval}")
+    if not 0 < args.scrape_interval <= 3600:
+        raise ConfigError(
+            f"--scrape-interval must lie in (0, 3600] seconds, got {args.scrape_interval}"
+        )
     if args.trace.endswith(".jsonl") and not Path(args.trace).is_file():
         raise ConfigError(f"trace {args.trace} not found; give one with --trace")
     cfg = ReplayConfig(
