@@ -222,7 +222,7 @@ class ReplaySummary:
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
-    seconds: float
+    seconds: float  # wall time in the engine
     ttft_ms: dict[str, float]
     pool_pages: int
     pool_pages_used_peak: int
@@ -244,6 +244,7 @@ class ReplaySummary:
     ttft_by_hit_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     clock: dict[str, Any] = field(default_factory=dict)  # kind, seconds (its time at the end), cost
     arrivals: str = "burst"
+    cpu_seconds: float = 0.0  # CPU time of the replay's thread in the engine
 
     @property
     def hit_ratio(self) -> float:
@@ -281,6 +282,7 @@ class ReplaySummary:
             "arrivals": self.arrivals,
             "clock": self.clock,
             "seconds": round(self.seconds, 3),
+            "cpu_seconds": round(self.cpu_seconds, 3),
             "steps": self.steps,
             "pool": {
                 "pages": self.pool_pages,
@@ -585,6 +587,23 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 _MALLOC_TRIM = _find_malloc_trim()
 
 
+class EngineTimer:
+    """Wall and CPU time (of the calling thread) spent in the engine: the CPU time is the
+    steadier figure on a machine other processes share."""
+
+    def __init__(self) -> None:
+        self.wall_s = 0.0
+        self.cpu_s = 0.0
+        self._wall = self._cpu = 0.0
+
+    def start(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+
+    def stop(self) -> None:
+        self.wall_s += time.perf_counter() - self._wall
+        self.cpu_s += time.thread_time() - self._cpu
+
+
 class ReplayObserver(Protocol):
     """Watches a replay: the report's timeline and tests plug in here. Called outside the
     engine lock, from the replay's own thread."""
@@ -694,7 +713,7 @@ def _run(
             progress,
             workload.num_requests,
         )
-        interrupted, seconds, read = summary
+        interrupted, timer, read = summary
         for observer in observers:
             observer.on_end(run)
     finally:
@@ -715,7 +734,8 @@ def _run(
         prompt_tokens=tally.prompt_tokens,
         cached_tokens=tally.cached_tokens,
         computed_tokens=tally.computed_tokens,
-        seconds=seconds,
+        seconds=timer.wall_s,
+        cpu_seconds=timer.cpu_s,
         ttft_ms=_percentiles(tally.ttft_s, mean=True),
         pool_pages=engine.allocator.num_pages,
         pool_pages_used_peak=engine.peak_pages_used,
@@ -777,8 +797,8 @@ def _drive(
     observers: Sequence[ReplayObserver],
     progress: bool,
     num_requests: int | None,
-) -> tuple[bool, float, int]:
-    """The replay loop. Returns (interrupted, engine seconds, requests read).
+) -> tuple[bool, EngineTimer, int]:
+    """The replay loop. Returns (interrupted, the time spent in the engine, requests read).
 
     Each turn adds the requests that have arrived by now (the window permitting), then runs one
     engine step; with nothing to run it lets the clock pass to the next arrival. Engine seconds
@@ -790,7 +810,7 @@ def _drive(
     read = 0  # requests read from the workload
     pending: Request | None = None  # read, not yet arrived (or no room in the window)
     arrives_at = 0.0
-    seconds = 0.0
+    timer = EngineTimer()
     interrupted = False
     for observer in observers:
         observer.on_start(run)
@@ -809,18 +829,18 @@ def _drive(
                             read += 1
                         if arrives_at > clock.now():
                             break
-                        start = time.perf_counter()
+                        timer.start()
                         engine.add(pending, arrives_at)
-                        seconds += time.perf_counter() - start
+                        timer.stop()
                         pending = None
                     if not engine.has_work():
                         if pending is None:
                             break
                         clock.wait_until(arrives_at)  # idle: let time pass to the next arrival
                         continue
-                    start = time.perf_counter()
+                    timer.start()
                     done = engine.step()
-                    seconds += time.perf_counter() - start
+                    timer.stop()
                 if engine.steps % TRIM_EVERY_STEPS == 0:
                     release_free_heap()
                 for f in done:
@@ -832,11 +852,11 @@ def _drive(
     except KeyboardInterrupt:
         interrupted = True
     if not interrupted:
-        start = time.perf_counter()
         with lock:
+            timer.start()
             engine.drain()  # settle the copies still in flight, so the tiers report final state
-        seconds += time.perf_counter() - start
-    return interrupted, seconds, read
+            timer.stop()
+    return interrupted, timer, read
 
 
 def recompute_uncached(compute: Compute, config: EngineConfig, request: Request) -> torch.Tensor:
