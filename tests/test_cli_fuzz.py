@@ -77,6 +77,18 @@ BASE = {
         "10",
     ],
     "bench memory": ["bench", "memory", "--sizes", "2", "--l1-tokens", "300000"],
+    "bench cp": [
+        "bench",
+        "cp",
+        "--cp",
+        "1",
+        "--prefixes",
+        "16",
+        "--extend",
+        "4",
+        "--replay-trace",
+        "builtin",
+    ],
     "bench transfer": [
         "bench",
         "transfer",
@@ -224,6 +236,11 @@ def test_bench_transfer_flags() -> None:
 
 def test_bench_workload_flags() -> None:
     fuzz("bench workload", 30)
+
+
+@pytest.mark.slow
+def test_bench_cp_flags() -> None:
+    fuzz("bench cp", 12)  # a valid --cp starts rank processes
 
 
 @pytest.mark.slow

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.tiers import host_pool as host_pool_module
 from kvstrata.config import KVLayout, PayloadSpec
 from kvstrata.errors import CapacityError, ConfigError, PinnedMemoryError, PoolInvariantError
+from kvstrata.tiers import host_pool as host_pool_module
 from kvstrata.tiers.host_pool import HOST_LAYOUTS, HostLayout, HostPool
 from kvstrata.tiers.pool import torch_dtype
 

@@ -683,6 +683,7 @@ def test_read_index_is_built_only_when_a_forward_reads_the_prefix() -> None:
     """The synthetic forward reads one row per request, so a step's index work grows with the
     tokens it computes, not with the requests' contexts: a 100,000-token prefix costs nothing
     until something asks for its rows."""
+    from kvstrata.model.batch import ReadRows
     from kvstrata.model.compute import SyntheticCompute
 
     P = 16
@@ -692,9 +693,10 @@ def test_read_index_is_built_only_when_a_forward_reads_the_prefix() -> None:
     compute = SyntheticCompute(4, 100)
     pool = DevicePool(compute.layout, P, 7001, "cpu")
     compute.forward(torch.arange(extend + 5) % 100, batch, pool)
-    assert "read_index" not in batch.__dict__
+    assert isinstance(batch.read_index, ReadRows) and not batch.read_index.built
+    assert batch.prefix_last_row is not None
     assert batch.prefix_last_row.tolist() == [prefix - 1, -1]
-    rows = batch.read_index  # built now, on demand
-    assert "read_index" in batch.__dict__
+    rows = batch.read_index
     assert rows[0].tolist() == list(range(prefix + extend))
     assert rows[1].tolist() == list(range(7000 * P, 7000 * P + 5))
+    assert batch.read_index.built and len(rows) == 2  # built on first use

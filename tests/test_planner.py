@@ -57,7 +57,18 @@ def naive_evict(tree: RadixTree, deficit: np.ndarray | int) -> list[int]:
             n for n in tree.nodes() if tree.is_candidate(n, Tier.L1) and n.id not in passed
         ]
         if not candidates:
-            break
+            # Nothing left holds a short lane's page: the oldest passed-over one goes whole.
+            stuck = [n for n in tree.nodes() if tree.is_candidate(n, Tier.L1) and n.id in passed]
+            if not stuck:
+                break
+            victim = min(stuck, key=tree.policy.priority)
+            passed.discard(victim.id)
+            first = victim.start // P
+            positions = list(range(first, first + victim.span))
+            freed += tree.trim(victim, Tier.L1, victim.span).tolist()
+            for p in positions:
+                need[p % lanes] = max(need[p % lanes] - 1, 0)
+            continue
         victim = min(candidates, key=tree.policy.priority)
         first = victim.start // P
         positions = list(range(first, first + victim.span))
@@ -180,6 +191,24 @@ def test_bad_deficits_are_config_errors() -> None:
         as_deficit(np.array([1.5, 2.0]), 2)
     with pytest.raises(ConfigError):
         as_deficit(np.array([-1, 2]), 2)
+
+
+def test_a_victim_without_short_lane_pages_goes_only_when_nothing_else_helps() -> None:
+    P, cp = 1, 2
+    tree = RadixTree(CacheConfig(page_size=P, cp_size=cp), 64)
+    alloc = PageAllocator(PoolConfig(64, cp))
+    fresh = alloc.alloc(0, 3)
+    assert fresh is not None
+    tree.insert([1, 2, 3], fresh, 0)  # lanes 0 1 0
+    more = alloc.alloc(3, 1)
+    assert more is not None
+    tree.insert([1, 2, 3, 4], np.concatenate([fresh, more]), 3)  # a leaf [4] in lane 1
+    tree.match_prefix([1, 2, 3, 5])  # touch [1 2 3], not the leaf: it is the oldest candidate
+    freed = tree.evict(np.array([1, 0]))  # lane 0 short: the leaf holds none
+    # The leaf (lane 1) had to go to expose its parent, whose tail page (lane 0) then went.
+    assert sorted(int(p) % cp for p in freed) == [0, 1]
+    assert tree.match_prefix([1, 2, 3]).valid_len == 2
+    tree.check()
 
 
 def test_a_victim_without_short_lane_pages_is_passed_over() -> None:

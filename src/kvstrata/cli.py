@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 #: (docs/benchmarks.md, "CPU threads"), while they gain at most ~1.3x on an idle machine.
 DEFAULT_THREADS = 1
 #: ``kvstrata bench NAME`` runs ``kvstrata.benchmarks.NAME.run_main``.
-BENCHMARKS = ("radix", "prefill", "planner", "transfer", "workload", "memory", "replay")
+BENCHMARKS = ("radix", "prefill", "planner", "transfer", "workload", "memory", "cp", "replay")
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -223,6 +223,35 @@ def _engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         help="with write_through_selective: back a node up once it has N hits",
     )
     p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="context-parallel ranks: N local processes (gloo on CPU, one GPU each with NCCL); "
+        "under torchrun, its world instead. Sizes stay per rank: N ranks cache N times more",
+    )
+    p.add_argument(
+        "--cp-attention",
+        choices=["auto", "move_kv", "move_queries"],
+        default="auto",
+        help="how ranks get the keys other ranks own: move_kv (exchange K/V, bytes grow with "
+        "the context), move_queries (exchange queries and partial outputs, bytes grow with the "
+        "extend), or auto (the cheaper per step by bytes moved)",
+    )
+    p.add_argument(
+        "--cp-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="timeout of every collective: a rank that dies or hangs fails the run, named",
+    )
+    p.add_argument(
+        "--check-digests",
+        action="store_true",
+        help="under --cp: compare allocator digests and the tree hash across ranks after every "
+        "step, and fail naming the first that differs",
+    )
+    p.add_argument(
         "--chunk-size", type=int, default=2048, help="max tokens a request computes per step"
     )
     p.add_argument(
@@ -329,6 +358,8 @@ def _replay_config(args: argparse.Namespace) -> ReplayConfig:
             host_layout=args.host_layout,
             write_policy=args.write_policy[0] if grid else args.write_policy,
             write_through_hits=args.write_through_hits,
+            cp_attention=args.cp_attention,
+            check_digests=args.check_digests,
             chunk_size=args.chunk_size,
             max_batch_tokens=args.max_batch_tokens,
             max_batch_requests=args.max_batch_requests,
@@ -340,6 +371,8 @@ def _replay_config(args: argparse.Namespace) -> ReplayConfig:
         on_error=args.on_error,
         seed=args.seed,
         threads=args.threads,
+        cp=args.cp,
+        cp_timeout_s=args.cp_timeout,
         lookahead=args.lookahead,
         arrivals=ArrivalSpec.parse(args.arrivals, args.time_scale),
         clock=args.clock,
@@ -359,7 +392,9 @@ def _run_replay(args: argparse.Namespace) -> int:
     from .replay import run_replay
 
     cfg = _replay_config(args)
-    observers: list[ReplayObserver] = [_AnnounceMetrics()]
+    observers: list[ReplayObserver] = []
+    if cfg.metrics_port is not None:
+        observers.append(_AnnounceMetrics())
     timeline = None
     if args.report is not None:
         from .report import require_matplotlib
@@ -370,6 +405,8 @@ def _run_replay(args: argparse.Namespace) -> int:
         timeline = Timeline()
         observers.append(timeline)
     summary = run_replay(cfg, progress=not args.no_progress, observers=observers)
+    if summary.rank != 0:  # one rank of torchrun's world: rank 0 reports
+        return EXIT_OK
     print(summary.table())
     for line in summary.problems():
         print(line)

@@ -24,6 +24,7 @@ so it waits for the chunk it needs, not the whole prefill. This reads only repli
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -43,7 +44,11 @@ from .config import (
     HostLayout,
     PoolConfig,
 )
-from .errors import ConfigError, RequestError
+from .dist.attention import attention_bytes, check_strategy
+from .dist.cp_batch import build_cp_batch
+from .dist.frontier import group_frontier
+from .dist.group import Group, SoloGroup
+from .errors import ConfigError, DivergenceError, RequestError
 from .model.batch import ForwardBatch
 from .model.compute import Compute
 from .ownership import owners, page_span
@@ -52,7 +57,7 @@ from .tiers.host_pool import HostPool
 from .tiers.loadback import LoadBack
 from .tiers.pool import DevicePool
 from .tiers.tickets import FrontierFn, TicketKind, TicketLedger, local_frontier
-from .tiers.transfer import Transfer, TransferStats
+from .tiers.transfer import Completion, Transfer, TransferStats
 from .tiers.writethrough import Reservation, WriteThrough
 from .workloads import Request
 
@@ -79,6 +84,8 @@ class EngineConfig:
     write_policy: str = "write_through"
     write_through_hits: int = 2
     max_host_alloc_gib: float = 480.0
+    cp_attention: str = "auto"  # under CP: move_kv, move_queries, or auto (cheaper per step)
+    check_digests: bool = False  # under CP: compare replicated digests across ranks every step
 
     def __post_init__(self) -> None:
         CacheConfig(page_size=self.page_size, eviction=self.eviction)  # validates both
@@ -125,6 +132,7 @@ class EngineConfig:
             raise ConfigError(
                 f"--write-through-hits must be an integer >= 1, got {self.write_through_hits!r}"
             )
+        check_strategy(self.cp_attention)
         if not 0 < self.max_host_alloc_gib <= 2**20:
             raise ConfigError(
                 f"the per-allocation cap must be > 0 GiB, got {self.max_host_alloc_gib!r}"
@@ -203,17 +211,22 @@ class Engine:
         self,
         compute: Compute,
         config: EngineConfig,
-        frontier: FrontierFn = local_frontier,
+        frontier: FrontierFn | None = None,
+        group: Group | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.compute = compute
         self.config = config
-        self.frontier = frontier
+        self.group: Group = group or SoloGroup()
+        self.cp = cp = self.group.size
+        self.rank = self.group.rank
+        self.frontier = frontier or (group_frontier(self.group) if cp > 1 else local_frontier)
         self.clock: Clock = clock if clock is not None else WallClock()
         P = config.page_size
         layout = compute.layout
+        # Sizes are per rank: each rank's pools hold its own lane of a cp-times larger page space.
         self.pool = DevicePool(layout, P, config.pool_pages, config.device)
-        self.allocator = PageAllocator(PoolConfig(num_pages=config.pool_pages))
+        self.allocator = PageAllocator(PoolConfig(num_pages=config.pool_pages * cp, cp_size=cp))
         self.host_pool: HostPool | None = None
         self.host_allocator: PageAllocator | None = None
         self.transfer: Transfer | None = None
@@ -235,12 +248,12 @@ class Engine:
                 host_layout=config.host_layout,
                 max_alloc_bytes=int(config.max_host_alloc_gib * GIB),
             )
-            self.host_allocator = PageAllocator(PoolConfig(num_pages=host_pages))
+            self.host_allocator = PageAllocator(PoolConfig(num_pages=host_pages * cp, cp_size=cp))
             self.transfer = Transfer(self.pool, self.host_pool)
         self.tree = RadixTree(
-            CacheConfig(page_size=P, eviction=config.eviction),
-            capacity_pages=config.pool_pages,
-            host_capacity_pages=host_pages,
+            CacheConfig(page_size=P, cp_size=cp, eviction=config.eviction),
+            capacity_pages=config.pool_pages * cp,
+            host_capacity_pages=host_pages * cp,
             allocator=self.allocator,
             host_allocator=self.host_allocator,
         )
@@ -256,9 +269,10 @@ class Engine:
                 layout.num_layers,
                 config.write_policy,
                 config.write_through_hits,
+                rank=self.rank,
             )
             self.loads = LoadBack(
-                self.tree, self.transfer, self.ledger, layout.num_layers, self._drain
+                self.tree, self.transfer, self.ledger, layout.num_layers, self._drain, self.rank
             )
         self.waiting: deque[_Waiting] = deque()
         self._refused: list[Finished] = []
@@ -271,6 +285,8 @@ class Engine:
         self.peak_pages_used = 0
         self.hit_tokens = {Tier.L1: 0, Tier.L2: 0}
         self.load_wait_s = 0.0  # clock time steps spent waiting for load-back, in total
+        self.strategy_steps: dict[str, int] = {}  # CP attention strategy -> steps that used it
+        self.report_delay: Callable[[list[Completion]], list[Completion]] | None = None
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -308,7 +324,13 @@ class Engine:
             budget -= extend
         self._reserve_backups(chosen)
         all_logits = any(run.keep_all_logits for run, _ in chosen)
-        logits = self._forward(chosen, all_logits)
+        self.group.step = self.steps
+        if self.cp > 1:
+            if all_logits:
+                raise ConfigError("all-token logits are not kept under context parallelism")
+            logits = self._forward_cp(chosen)
+        else:
+            logits = self._forward(chosen, all_logits)
         if self.backups is not None:
             self.backups.end_forward()
         if self.loads is not None:
@@ -340,6 +362,8 @@ class Engine:
         self.steps += 1
         if self.config.check_every_step:
             self.check()
+        if self.config.check_digests:
+            self.check_digests()
         return finished
 
     def drain(self, timeout_s: float = 60.0) -> None:
@@ -353,6 +377,7 @@ class Engine:
         by an in-flight backup; one lock per running request and one host lock per load."""
         self.tree.check()
         self.allocator.check()
+        self.ledger.check()
         held = sum(int((~self.tree.holds(r.own_pages())).sum()) for r in self.running)
         for r in self.running:
             if not r.cached_len <= r.inserted_len <= r.done_len <= len(r.key):
@@ -400,10 +425,19 @@ class Engine:
     # -- copies: the frontier and the per-layer hooks --------------------------------------------
 
     def _drain(self) -> None:
-        """Route finished copies to the ledger (this rank's progress)."""
-        if self.transfer is not None:
-            for done in self.transfer.poll():
-                self.ledger.finish(done.ticket, done.ok, done.error)
+        """Route landed copies to load-back (which stops waiting for them) and to the ledger
+        (this rank's progress). ``report_delay``, a test hook, may hold completions back before
+        they count as progress, as a slow rank would."""
+        if self.transfer is None:
+            return
+        landed = self.transfer.poll()
+        if self.loads is not None:
+            for done in landed:
+                self.loads.note_landed(done.ticket, done.ok)
+        if self.report_delay is not None:
+            landed = self.report_delay(landed)
+        for done in landed:
+            self.ledger.finish(done.ticket, done.ok, done.error)
 
     def _settle(self) -> None:
         """Apply every ticket the commit frontier covers, in issue order."""
@@ -486,10 +520,11 @@ class Engine:
                 f"request {request.rid}: {n} tokens exceed the model's {self.compute.max_seq_len} "
                 "positions (max_position_embeddings)"
             )
-        if page_span(n, cfg.page_size) > cfg.pool_pages:
+        per_rank = -(-page_span(n, cfg.page_size) // self.cp)  # the busiest lane's pages
+        if per_rank > cfg.pool_pages:
             return RequestError(
-                f"request {request.rid}: {n} tokens need {page_span(n, cfg.page_size)} pages of "
-                f"{cfg.page_size}, the device pool has {cfg.pool_pages}; raise the pool size"
+                f"request {request.rid}: {n} tokens need {per_rank} pages of {cfg.page_size} on "
+                f"one rank, its device pool has {cfg.pool_pages}; raise the pool size"
             )
         if int(request.tokens.max()) >= self.compute.vocab_size:
             return RequestError(
@@ -610,6 +645,31 @@ class Engine:
         hooks = self if self.transfer is not None else None
         return self.compute.forward(input_ids, batch, self.pool, all_logits, hooks)
 
+    def _forward_cp(self, chosen: list[tuple[_Running, int]]) -> torch.Tensor | None:
+        """This rank's share of the step: the tokens of the pages it owns, the rest exchanged."""
+        prefix = [run.done_len for run, _ in chosen]
+        extend = [e for _, e in chosen]
+        strategy = self.config.cp_attention
+        if strategy == "auto":
+            layout = self.compute.layout
+            kv_bytes = sum(p.token_bytes for p in layout.payloads)
+            cost = attention_bytes(prefix, extend, kv_bytes, 2 * kv_bytes)
+            strategy = min(cost, key=lambda name: cost[name])
+        self.strategy_steps[strategy] = self.strategy_steps.get(strategy, 0) + 1
+        batch, input_ids = build_cp_batch(
+            prefix,
+            extend,
+            [run.pages for run, _ in chosen],
+            [run.key.tokens[run.done_len : run.done_len + e] for run, e in chosen],
+            self.config.page_size,
+            self.group,
+            strategy,
+            any(run.keep_logits for run, _ in chosen),
+            self.pool.device,
+        )
+        hooks = self if self.transfer is not None else None
+        return self.compute.forward(input_ids, batch, self.pool, False, hooks)
+
     def _insert_chunk(self, run: _Running) -> None:
         """Insert what ``run`` has computed in whole pages (all of it once complete), move its
         lock to the node that now ends it, and attach this step's backup."""
@@ -638,10 +698,37 @@ class Engine:
             self.backups.attach(res, result.node)
         run.inserted_len = upto
 
+    def _snapshot(self, run: _Running) -> torch.Tensor | None:
+        """The sequence's cached payload (synthetic compute only), gathered from its owners."""
+        n, cp = len(run.key), self.cp
+        payload = self.compute.snapshot(self.pool, run.pages // cp, n)
+        if payload is None or cp == 1:
+            return payload
+        owner = (torch.arange(n) // self.config.page_size) % cp
+        payload[owner != self.rank] = 0  # rows read from slots this rank does not own
+        self.group.all_reduce(payload, "sum", "verify")
+        return payload
+
+    def check_digests(self) -> None:
+        """Compare every replicated digest across ranks; raise naming the first that differs."""
+        mine = {
+            "device allocator": self.allocator.digest(),
+            "tree": self.tree.digest(),
+            "host allocator": self.host_allocator.digest() if self.host_allocator else "",
+            "waiting requests": str([w.request.rid for w in self.waiting]),
+            "running requests": str([(r.request.rid, r.done_len) for r in self.running]),
+        }
+        every = self.group.all_gather_object(mine, "digests")
+        for name, value in mine.items():
+            differ = [rank for rank, d in enumerate(every) if d[name] != value]
+            if differ:
+                raise DivergenceError(
+                    f"after engine step {self.steps}: the {name} of rank {self.rank} differs "
+                    f"from rank(s) {differ} ({value[:16]} vs {every[differ[0]][name][:16]})"
+                )
+
     def _finish(self, run: _Running, now: float) -> Finished:
-        payload = (
-            self.compute.snapshot(self.pool, run.pages, len(run.key)) if run.keep_logits else None
-        )
+        payload = self._snapshot(run) if run.keep_logits else None
         if run.duplicates:
             self.allocator.free(np.unique(np.concatenate(run.duplicates)))
         self.tree.unlock(run.node)

@@ -21,6 +21,8 @@ Everything kvstrata raises on purpose derives from :class:`KVStrataError`::
     │   ├── CheckpointError      missing config/weights, or a weight of the wrong shape
     │   └── UnsupportedArchitectureError
     ├── WorkloadError            a malformed trace file (line number in the message)
+    ├── CollectiveError          a collective across CP ranks failed or timed out (names the step)
+    ├── DivergenceError          ranks' replicated state or configuration differ (names what)
     └── RequestError             one request cannot be served (the others are unaffected)
 
 Programmer errors inside kvstrata are ``assert``-ed; errors caused by input from the outside world
@@ -102,6 +104,16 @@ class UnsupportedArchitectureError(ModelError):
 
 class WorkloadError(KVStrataError):
     """A trace or workload file is malformed."""
+
+
+class CollectiveError(KVStrataError):
+    """A collective across context-parallel ranks failed or timed out: a peer died, hung, or
+    runs a different configuration. The message names the operation and the engine step."""
+
+
+class DivergenceError(KVStrataError):
+    """Ranks that must hold identical replicated state (allocator digests, tree hash) or
+    configuration do not; the message names the first component that differs."""
 
 
 class RequestError(KVStrataError):

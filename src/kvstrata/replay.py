@@ -39,8 +39,10 @@ from .arrivals import ArrivalSpec, ArrivalTimes
 from .cache.radix import TreeStats
 from .clock import Clock, CostModel, make_clock
 from .config import KVLayout
+from .dist.group import Group, SoloGroup
+from .dist.launch import run_ranks, torchrun_group, under_torchrun
 from .engine import Engine, EngineConfig, Finished
-from .errors import ConfigError
+from .errors import ConfigError, DivergenceError
 from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
 from .metrics import CacheMetrics, MetricsServer, RequestTotals
 from .model.compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
@@ -79,8 +81,16 @@ class ReplayConfig:
     cost: CostModel | None = None  # the simulated clock's; None: the device's measured defaults
     metrics_port: int | None = None  # serve Prometheus metrics on this port (0: any free one)
     metrics_host: str = "127.0.0.1"
+    cp: int = 1  # context-parallel ranks (local processes, or torchrun's world)
+    cp_timeout_s: float = 300.0  # every collective's timeout: a dead or hung rank fails the run
 
     def __post_init__(self) -> None:
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or not 1 <= self.cp <= 64:
+            raise ConfigError(f"--cp must be an integer in [1, 64], got {self.cp!r}")
+        if not 1 <= self.cp_timeout_s <= 86_400:
+            raise ConfigError(
+                f"--cp-timeout must lie in [1, 86400] seconds, got {self.cp_timeout_s!r}"
+            )
         if not 0 <= self.seed <= _MAX_SEED:
             raise ConfigError(f"--seed must lie in [0, 2**64 - 1], got {self.seed}")
         check_device(self.engine.device)
@@ -245,6 +255,7 @@ class ReplaySummary:
     clock: dict[str, Any] = field(default_factory=dict)  # kind, seconds (its time at the end), cost
     arrivals: str = "burst"
     cpu_seconds: float = 0.0  # CPU time of the replay's thread in the engine
+    rank: int = 0  # the CP rank that wrote this summary (only rank 0's is printed)
 
     @property
     def hit_ratio(self) -> float:
@@ -344,6 +355,16 @@ class ReplaySummary:
             )
         if self.tiers is not None:
             rows += self.tiers.rows(self.cached_tokens)
+        if self.config.get("cp", 1) > 1:
+            steps = ", ".join(f"{k} {v:,}" for k, v in self.config["cp_attention_steps"].items())
+            moved = sum(self.config["cp_bytes_per_rank"].values())
+            rows.append(
+                (
+                    "context parallel",
+                    f"{self.config['cp']} ranks; steps by attention: {steps}; "
+                    f"{moved / 2**20:,.1f} MiB exchanged by rank 0",
+                )
+            )
         if self.verify.requests:
             rows.append((f"verify ({self.verify.requests} requests)", self.verify.describe()))
         width = max(len(k) for k, _ in rows)
@@ -648,11 +669,36 @@ def run_replay(
     while requests run ends the replay early: the summary covers the requests finished so far
     and says ``interrupted``.
     """
+    if cfg.cp > 1 or under_torchrun():
+        if compute is not None:
+            raise ConfigError("a compute object cannot be shared by context-parallel ranks")
+        if observers or cfg.metrics_port is not None:
+            raise ConfigError(
+                "--report and --metrics-port watch one engine; run them without context "
+                "parallelism (--cp 1)"
+            )
+        if under_torchrun():  # this process is one rank of torchrun's world
+            group = torchrun_group(cfg.engine.device, cfg.cp_timeout_s)
+            return _rank_main(group, cfg, progress)
+        ranks = run_ranks(cfg.cp, _rank_main, (cfg, progress), cfg.engine.device, cfg.cp_timeout_s)
+        summary: ReplaySummary = ranks[0]
+        return summary
+    return _rank_main(SoloGroup(), cfg, progress, compute, observers)
+
+
+def _rank_main(
+    group: Group,
+    cfg: ReplayConfig,
+    progress: bool,
+    compute: Compute | None = None,
+    observers: Sequence[ReplayObserver] = (),
+) -> ReplaySummary:
+    """One rank's replay (the only one without CP)."""
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        return _run(cfg, progress, compute, observers)
+        return _run(cfg, progress and group.rank == 0, compute, group, observers)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -662,35 +708,58 @@ def cost_model(cfg: ReplayConfig) -> CostModel:
     return cfg.cost or CostModel.for_device(cfg.engine.device)
 
 
+def _agree_on_config(group: Group, cfg: ReplayConfig) -> None:
+    """Every rank must run the same configuration: compare them, naming a field that differs."""
+    if group.size == 1:
+        return
+    mine = {**asdict(cfg), "kvstrata": __version__, "torch": torch.__version__}
+    every = group.all_gather_object(mine, "config")
+    for rank, other in enumerate(every):
+        for name in sorted(mine):
+            if other.get(name) != mine[name]:
+                raise DivergenceError(
+                    f"rank {rank} runs {name}={other.get(name)!r}, rank {group.rank} runs "
+                    f"{name}={mine[name]!r}: start every rank with the same configuration"
+                )
+
+
 def _run(
     cfg: ReplayConfig,
     progress: bool,
     compute: Compute | None,
-    observers: Sequence[ReplayObserver],
+    group: Group,
+    observers: Sequence[ReplayObserver] = (),
 ) -> ReplaySummary:
+    _agree_on_config(group, cfg)
     shape = _shape(cfg, compute)
-    pool_tokens = cfg.engine.pool_pages * cfg.engine.page_size
-    workload = load_workload(
-        cfg.workload,
-        limit=cfg.limit,
-        vocab_size=shape.vocab_size,
-        on_error=cfg.on_error,
-        max_tokens=min(shape.max_seq_len, pool_tokens),
-    )
-    stream = iter(workload)
-    first = next(stream, None)  # an empty (or wholly malformed) workload fails before the model
-    if first is None:
-        skipped = (
-            f" ({workload.num_skipped} malformed lines skipped)" if workload.num_skipped else ""
+    # Under CP a request spreads over every rank's pool, so cp pools bound its length.
+    pool_tokens = cfg.engine.pool_pages * cfg.engine.page_size * group.size
+    requests: Iterator[Request] | None = iter(())  # rank > 0: they come from rank 0
+    workload = None
+    if group.rank == 0:  # only rank 0 reads the workload; it broadcasts what it reads
+        workload = load_workload(
+            cfg.workload,
+            limit=cfg.limit,
+            vocab_size=shape.vocab_size,
+            on_error=cfg.on_error,
+            max_tokens=min(shape.max_seq_len, pool_tokens),
         )
-        raise ConfigError(f"workload {cfg.workload!r} has no requests{skipped}")
-    arrivals = cfg.arrivals.resolve(first)
+        stream = iter(workload)
+        first = next(stream, None)  # an empty (or wholly malformed) workload fails early
+        if first is None:
+            skipped = (
+                f" ({workload.num_skipped} malformed lines skipped)" if workload.num_skipped else ""
+            )
+            raise ConfigError(f"workload {cfg.workload!r} has no requests{skipped}")
+        arrivals = cfg.arrivals.resolve(first)
+        requests = itertools.chain([first], stream)
+    else:  # rank 0 decides when requests arrive; the others only stamp what it sends
+        arrivals = ArrivalSpec("burst", None, cfg.arrivals.time_scale)
     cost = cost_model(cfg)
-    requests: Iterator[Request] | None = itertools.chain([first], stream)
     _check_memory(cfg, shape)
     compute = compute or build_compute(cfg)
     clock = make_clock(cfg.clock, cfg.model, cost)
-    engine = Engine(compute, cfg.engine, clock=clock)
+    engine = Engine(compute, cfg.engine, group=group, clock=clock)
     sample = VerifySample(cfg.verify, cfg.seed, engine.keep_logits)
     tally = _Tally()
     run = ReplayRun(cfg, engine, tally, clock, threading.Lock())
@@ -703,17 +772,9 @@ def _run(
         server = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port)
         run.metrics_url = server.url
     try:
-        summary = _drive(
-            cfg,
-            run,
-            requests,
-            ArrivalTimes(arrivals, cfg.seed),
-            sample,
-            observers,
-            progress,
-            workload.num_requests,
-        )
-        interrupted, timer, read = summary
+        feed = _Feed(group, requests, ArrivalTimes(arrivals, cfg.seed), clock)
+        total = workload.num_requests if workload is not None else None
+        interrupted, timer, read = _drive(cfg, run, feed, sample, observers, progress, total)
         for observer in observers:
             observer.on_end(run)
     finally:
@@ -721,7 +782,7 @@ def _run(
             server.close()
 
     verify = VerifyReport()
-    if not interrupted:
+    if not interrupted and group.rank == 0:  # recomputing without the cache needs no peers
         sampled = [f for f in sample.finished.values() if f.error is None]
         try:
             verify = _verify(cfg, compute, sampled, sample.requests, progress)
@@ -743,9 +804,9 @@ def _run(
         steps=engine.steps,
         verify=verify,
         config={
-            "workload": workload.source,
+            "workload": workload.source if workload is not None else cfg.workload,
             "limit": cfg.limit,
-            "skipped_lines": workload.num_skipped,
+            "skipped_lines": workload.num_skipped if workload is not None else 0,
             "model": cfg.model,
             "dtype": str(next(iter(compute.layout.payloads)).dtype),
             "vocab_size": compute.vocab_size,
@@ -769,12 +830,16 @@ def _run(
             "arrivals": arrivals.describe(),
             "time_scale": arrivals.time_scale,
             "clock": clock.kind,
+            "cp": group.size,
+            "cp_attention": cfg.engine.cp_attention if group.size > 1 else None,
+            "cp_attention_steps": dict(engine.strategy_steps),
+            "cp_bytes_per_rank": dict(group.traffic.bytes),
         },
         errors=tally.errors,
-        skipped=tuple(workload.skipped),
-        num_skipped=workload.num_skipped,
+        skipped=tuple(workload.skipped) if workload is not None else (),
+        num_skipped=workload.num_skipped if workload is not None else 0,
         interrupted=interrupted,
-        total_requests=workload.num_requests or read,
+        total_requests=(workload.num_requests if workload is not None else None) or read,
         tiers=TierReport.of(engine),
         tree=engine.tree.stats(),
         ttft_parts_ms=tally.ttft_parts_ms(),
@@ -785,58 +850,107 @@ def _run(
             "cost": asdict(cost) if clock.kind == "sim" else None,
         },
         arrivals=arrivals.describe(),
+        rank=group.rank,
     )
+
+
+class _Feed:
+    """Hands the replay the requests that have arrived, the same ones on every rank.
+
+    Rank 0 reads the workload, gives each request its arrival time, and decides by its clock
+    which have arrived; under context parallelism it broadcasts them, with their arrival times
+    and when the next one comes, so every rank adds the same requests at the same step.
+    """
+
+    def __init__(
+        self,
+        group: Group,
+        requests: Iterator[Request] | None,
+        arrival_times: ArrivalTimes,
+        clock: Clock,
+    ) -> None:
+        self.group = group
+        self.requests = requests
+        self.arrival_times = arrival_times
+        self.clock = clock
+        self.pending: tuple[Request, float] | None = None  # read, not arrived yet
+        self.more = True
+
+    def take(self, count: int, idle: bool) -> tuple[list[tuple[Request, float]], float | None]:
+        """Up to ``count`` arrived requests with their arrival times, and, when the engine is
+        ``idle`` and none has arrived, when the next one does (None: no more requests).
+        ``count`` and ``idle`` come from replicated state, so every rank calls this at the
+        same points."""
+        batch: list[tuple[Request, float]] = []
+        wake: float | None = None
+        if self.group.rank == 0:
+            while len(batch) < count:
+                if self.pending is None:
+                    request = next(self.requests, None) if self.requests is not None else None
+                    if request is None:
+                        self.requests = None
+                        break
+                    self.pending = (request, self.arrival_times.next(request))
+                if self.pending[1] > self.clock.now():
+                    break
+                batch.append(self.pending)
+                self.pending = None
+            self.more = self.pending is not None or self.requests is not None
+            if idle and not batch and self.pending is not None:
+                wake = self.pending[1]
+        if self.group.size == 1:
+            return batch, wake
+        sent = self.group.broadcast_object(
+            ([(r.rid, r.tokens, r.arrival_ms, t) for r, t in batch], wake, self.more), "workload"
+        )
+        self.more = sent[2]
+        return [(Request(rid, tok, ms), t) for rid, tok, ms, t in sent[0]], sent[1]
 
 
 def _drive(
     cfg: ReplayConfig,
     run: ReplayRun,
-    requests: Iterator[Request] | None,
-    arrival_times: ArrivalTimes,
+    feed: _Feed,
     sample: VerifySample,
     observers: Sequence[ReplayObserver],
     progress: bool,
-    num_requests: int | None,
+    total: int | None,
 ) -> tuple[bool, EngineTimer, int]:
     """The replay loop. Returns (interrupted, the time spent in the engine, requests read).
 
     Each turn adds the requests that have arrived by now (the window permitting), then runs one
-    engine step; with nothing to run it lets the clock pass to the next arrival. Engine seconds
-    are wall time spent in the engine (adding requests hashes them; stepping), not in reading or
-    generating the workload, nor idling between arrivals.
+    engine step; with nothing to run it lets the clock pass to the next arrival. Engine time is
+    spent in the engine (adding requests hashes them; stepping), not in reading or generating the
+    workload, nor idling between arrivals.
     """
     engine, tally, clock, lock = run.engine, run.tally, run.clock, run.lock
     lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
-    read = 0  # requests read from the workload
-    pending: Request | None = None  # read, not yet arrived (or no room in the window)
-    arrives_at = 0.0
+    read = 0  # requests added to the engine
     timer = EngineTimer()
     interrupted = False
     for observer in observers:
         observer.on_start(run)
     try:
-        with Progress("replay", num_requests, enabled=progress) as bar:
+        with Progress("replay", total, enabled=progress) as bar:
             while True:
                 with lock:
-                    while read - tally.requests < lookahead:
-                        if pending is None:  # reading the workload is not engine time
-                            pending = next(requests, None) if requests is not None else None
-                            if pending is None:
-                                requests = None
-                                break
-                            arrives_at = arrival_times.next(pending)
-                            sample.offer(pending)
-                            read += 1
-                        if arrives_at > clock.now():
-                            break
+                    want = lookahead - (read - tally.requests)
+                    wake = None
+                    if feed.more and want > 0:
+                        batch, wake = feed.take(want, idle=not engine.has_work())
+                        read += len(batch)
                         timer.start()
-                        engine.add(pending, arrives_at)
+                        while batch:  # hand each request over and drop it: none outlives it
+                            request, arrived_at = batch.pop(0)
+                            sample.offer(request)
+                            engine.add(request, arrived_at)
+                            del request
                         timer.stop()
-                        pending = None
                     if not engine.has_work():
-                        if pending is None:
+                        if wake is None and not feed.more:
                             break
-                        clock.wait_until(arrives_at)  # idle: let time pass to the next arrival
+                        if wake is not None:
+                            clock.wait_until(wake)  # idle: let time pass to the next arrival
                         continue
                     timer.start()
                     done = engine.step()

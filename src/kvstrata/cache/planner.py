@@ -13,7 +13,8 @@ from its tail, only as far as the remaining deficit needs::
 
 A trim never leaves a hole: pages are cut from the end, so what stays is still a prefix. A victim
 with no page in any short lane is passed over (it stays cached). When a whole victim goes, its
-parent may become a candidate and is considered in turn. Everything here reads replicated inputs
+parent may become a candidate and is considered in turn. Only when no candidate left holds a page
+of a short lane does the oldest passed-over victim go whole, to expose its parent. Everything here reads replicated inputs
 only (logical clock, hit counts, node ids, page positions), so every rank plans the same evictions.
 """
 
@@ -29,7 +30,8 @@ from ..errors import ConfigError
 from ..residency import Tier
 
 if TYPE_CHECKING:
-    from .radix import RadixTree
+    from .eviction import Priority
+    from .radix import Node, RadixTree
 
 IntArray = npt.NDArray[np.int64]
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -88,33 +90,46 @@ def evict(tree: RadixTree, tier: Tier, deficit: int | IntArray) -> IntArray:
     lanes, P = len(need), tree.page_size
     heap, policy, is_candidate = tree.heaps[tier], tree.policy, tree.is_candidate
     freed: list[IntArray] = []
-    passed = []
-    while heap and max(need) > 0:
-        prio, node = heapq.heappop(heap)
-        if not is_candidate(node, tier):
-            continue  # stale: locked, evicted, or no longer a leaf of this tier
-        current = policy.priority(node)
-        if current != prio:  # accessed since it was queued: its priority only grew
-            heapq.heappush(heap, (current, node))
-            continue
-        span = node.span
-        if lanes == 1:  # one lane (or a plain page count): the tail, as far as needed
-            count = min(need[0], span)
-            need[0] -= count
-        else:
-            first = node.start // P
-            count = trim_count(first, span, need)
-            if count == 0:
-                passed.append((prio, node))
+    passed: list[tuple[Priority, Node]] = []
+    while max(need) > 0:
+        while heap and max(need) > 0:
+            prio, node = heapq.heappop(heap)
+            if not is_candidate(node, tier):
+                continue  # stale: locked, evicted, or no longer a leaf of this tier
+            current = policy.priority(node)
+            if current != prio:  # accessed since it was queued: its priority only grew
+                heapq.heappush(heap, (current, node))
                 continue
-            got = lane_counts(first + span - count, count, lanes)
-            need = [max(n - g, 0) for n, g in zip(need, got, strict=True)]
-        whole = count == span
-        freed.append(tree.trim(node, tier, count, requeue=False))
-        if not whole and tree.is_candidate(node, tier):
-            # It gave every short lane all it had (or enough): nothing more for this plan, but it
-            # stays a candidate for the next one.
-            passed.append((prio, node))
+            span = node.span
+            if lanes == 1:  # one lane (or a plain page count): the tail, as far as needed
+                count = min(need[0], span)
+                need[0] -= count
+            else:
+                first = node.start // P
+                count = trim_count(first, span, need)
+                if count == 0:
+                    passed.append((prio, node))
+                    continue
+                got = lane_counts(first + span - count, count, lanes)
+                need = [max(n - g, 0) for n, g in zip(need, got, strict=True)]
+            whole = count == span
+            freed.append(tree.trim(node, tier, count, requeue=False))
+            if not whole and is_candidate(node, tier):
+                # It gave every short lane all it had (or enough): nothing more for this plan,
+                # but it stays a candidate for the next one.
+                passed.append((prio, node))
+        if max(need) == 0 or not passed:
+            break
+        # No candidate left holds a page of a short lane. The oldest passed one goes whole, so
+        # that its parent, which may hold such pages, becomes a candidate.
+        passed.sort(key=lambda item: item[0])
+        prio, node = passed.pop(0)
+        if not is_candidate(node, tier):
+            continue  # queued twice (lazy heap entries), and already gone
+        first, span = node.start // P, node.span
+        got = lane_counts(first, span, lanes)
+        need = [max(n - g, 0) for n, g in zip(need, got, strict=True)]
+        freed.append(tree.trim(node, tier, span, requeue=False))
     for item in passed:
         heapq.heappush(heap, item)
     tree.compact_heaps()

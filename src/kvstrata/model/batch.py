@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cache
 from itertools import accumulate
-from typing import Protocol
+from typing import Protocol, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,31 @@ from ..ownership import page_span
 PageTable = torch.Tensor | npt.NDArray[np.integer] | Sequence[int]
 
 
+class ContextParallel(Protocol):
+    """What a forward under context parallelism needs from the rank group (implemented by
+    ``kvstrata.dist.attention.CPStep``): attention whose keys other ranks hold, the last-token
+    rows other ranks computed, and per-request values summed over ranks."""
+
+    all_tokens: torch.Tensor  # [T] every extend token of the step, on every rank
+    all_positions: torch.Tensor  # [T]
+    mine: torch.Tensor  # [T] bool: the tokens this rank computes
+    ext_offsets: tuple[int, ...]  # where each request's extend starts in ``all_tokens``
+    prefix_last_rows: torch.Tensor  # per request: this rank's pool row of its last prefix token
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+    def gather_last(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def share(self, values: torch.Tensor) -> torch.Tensor: ...
+
+
 class LayerHooks(Protocol):
     """Called by a forward around each layer: the tier movers' way in (load-back waits for a
     layer's copy before it reads the pool; write-through copies a layer out once it is written)."""
@@ -44,7 +69,53 @@ class LayerHooks(Protocol):
     def after_layer(self, layer: int) -> None: ...
 
 
-@dataclass(frozen=True)
+class ReadRows(Sequence[torch.Tensor]):
+    """Each request's pool rows of its whole sequence, built on first use (one host -> device
+    copy for all of them). A forward that never reads the prefix (``--model none``) never builds
+    them, so its index work grows with the tokens it computes, not with the contexts."""
+
+    def __init__(
+        self,
+        page_tables: list[npt.NDArray[np.int64]],
+        seq_lens: list[int],
+        page_size: int,
+        device: torch.device,
+    ) -> None:
+        self._tables = page_tables
+        self._seq_lens = seq_lens
+        self._page_size = page_size
+        self._device = device
+        self._rows: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def built(self) -> bool:
+        return self._rows is not None
+
+    def _build(self) -> tuple[torch.Tensor, ...]:
+        if self._rows is None:
+            P = self._page_size
+            rows = [
+                (table[:, None] * P + _offsets(P)).ravel()[:n]
+                for table, n in zip(self._tables, self._seq_lens, strict=True)
+            ]
+            packed = torch.from_numpy(np.concatenate(rows)).to(self._device)
+            self._rows = packed.split(self._seq_lens)
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self._seq_lens)
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[torch.Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        return self._build()[i]
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardBatch:
     """Where the packed tokens of one forward read and write their K/V.
 
@@ -53,12 +124,11 @@ class ForwardBatch:
         ints, for slicing without a device sync); ``cu_seqlens`` is the same on the device.
     positions: ``[T]`` absolute position of every packed token.
     write_index: ``[T]`` pool token row that receives each packed token's K/V.
-    prefix_last_row: ``[R]`` pool row of each request's last cached token (-1 without a prefix).
+    read_index: per request, ``[prefix + extend]`` pool rows of its whole sequence so far
+        (:meth:`build` makes it a :class:`ReadRows`, built on first use).
     last_index: ``[R]`` packed index of each request's last token (whose logits a prefill returns).
-    page_tables: per request, the host page table trimmed to the pages its sequence covers.
-    read_index: per request, ``[prefix + extend]`` pool rows of its whole sequence so far; built on
-        first use, so a forward that never reads the prefix (``--model none``) does work that grows
-        with the tokens it computes, not with the requests' whole contexts.
+    prefix_last_row: ``[R]`` pool row of each request's last cached token (-1 without a prefix);
+        set by :meth:`build`.
     """
 
     prefix_lens: tuple[int, ...]
@@ -68,10 +138,10 @@ class ForwardBatch:
     cu_seqlens: torch.Tensor
     positions: torch.Tensor
     write_index: torch.Tensor
-    prefix_last_row: torch.Tensor
+    read_index: Sequence[torch.Tensor]
     last_index: torch.Tensor
-    page_tables: tuple[npt.NDArray[np.int64], ...]
-    device: torch.device
+    cp: ContextParallel | None = None  # set under context parallelism: this rank's share
+    prefix_last_row: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -81,18 +151,6 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         """Packed tokens computed by this forward (the sum of the extend lengths)."""
         return self.cu_seqlens_host[-1]
-
-    @cached_property
-    def read_index(self) -> tuple[torch.Tensor, ...]:
-        P = self.page_size
-        offsets = np.arange(P, dtype=np.int64)
-        seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
-        rows = [
-            (table[:, None] * P + offsets).ravel()[:n]
-            for table, n in zip(self.page_tables, seq_lens, strict=True)
-        ]
-        packed = torch.from_numpy(np.concatenate(rows)).to(self.device)
-        return packed.split(seq_lens)
 
     @classmethod
     def build(
@@ -175,10 +233,11 @@ class ForwardBatch:
             cu_seqlens=cu_seqlens,
             positions=packed_positions,
             write_index=write_index,
-            prefix_last_row=prefix_last_row,
+            read_index=ReadRows(
+                tables, [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)], P, device
+            ),
             last_index=cu_seqlens[1:] - 1,
-            page_tables=tuple(tables),
-            device=device,
+            prefix_last_row=prefix_last_row,
         )
 
 

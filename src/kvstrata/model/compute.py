@@ -175,6 +175,11 @@ class SyntheticCompute:
     ) -> None:
         if hooks is not None:
             hooks.before_layer(0)  # one layer: its prefix rows are read below
+        if batch.cp is not None:
+            self._forward_cp(batch, pool)
+            if hooks is not None:
+                hooks.after_layer(0)
+            return None
         # Only the row of each request's last cached token is read: the work grows with the
         # tokens computed, not with the requests' contexts.
         top = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens, strict=True))
@@ -200,6 +205,7 @@ class SyntheticCompute:
         # Rebase each request's slice of the packed running sum onto its cached prefix's state:
         #   state = prefix_state + (running - running just before the request's first token)
         cu = batch.cu_seqlens_host
+        assert batch.prefix_last_row is not None, "build the batch with ForwardBatch.build"
         last = batch.prefix_last_row.numpy()
         cached = np.zeros(last.size, dtype=np.int64)
         has_prefix = last >= 0
@@ -239,6 +245,7 @@ class SyntheticCompute:
         starts = batch.cu_seqlens[:-1]
         before = torch.where(starts > 0, running[(starts - 1).clamp(min=0)], 0)
         last = batch.prefix_last_row
+        assert last is not None, "build the batch with ForwardBatch.build"
         prefix_state = torch.where(last >= 0, _decode_states(rows[last.clamp(min=0)]), 0)
         lengths = torch.tensor(batch.extend_lens, device=tokens.device)
         rebase = torch.repeat_interleave(prefix_state - before, lengths, output_size=tokens.numel())
@@ -254,6 +261,32 @@ class SyntheticCompute:
             size = max(num_positions, 2 * have, 1 << 16)
             table = self._weight_table = _position_weights(torch.arange(size, device=device))
         return table
+
+    def _forward_cp(self, batch: ForwardBatch, pool: DevicePool) -> None:
+        """Under context parallelism: the running state of every extend token of the step (the
+        tokens are replicated; each request's prefix state comes from the rank that holds its
+        last prefix row), then this rank's rows only."""
+        cp = batch.cp
+        assert cp is not None
+        rows = pool.token_view("kv", 0)
+        tokens = cp.all_tokens.to(torch.int64)
+        running = torch.cumsum(_token_terms(tokens, _position_weights(cp.all_positions)), 0)
+        held = cp.prefix_last_rows >= 0
+        states = torch.zeros(cp.prefix_last_rows.numel(), dtype=torch.int64, device=tokens.device)
+        for i in torch.nonzero(held).flatten().tolist():
+            states[i] = _decode_states(rows[int(cp.prefix_last_rows[i])][None])[0]
+        states = cp.share(states)
+        starts = torch.tensor(cp.ext_offsets[:-1], device=tokens.device)
+        lengths = torch.tensor(
+            [b - a for a, b in zip(cp.ext_offsets[:-1], cp.ext_offsets[1:], strict=True)],
+            device=tokens.device,
+        )
+        before = torch.where(starts > 0, running[(starts - 1).clamp(min=0)], 0)
+        state = (running + torch.repeat_interleave(states - before, lengths)) % _STATE_MOD
+        mine = cp.mine
+        rows.index_copy_(
+            0, batch.write_index, _payload_bytes(state[mine], tokens[mine], self.kv_width)
+        )
 
     def snapshot(
         self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int

@@ -119,6 +119,9 @@ class Attention(nn.Module):
         v_rows = pool.token_view("v", self.layer)
         k_rows.index_copy_(0, batch.write_index, k)
         v_rows.index_copy_(0, batch.write_index, v)
+        if batch.cp is not None:  # other ranks hold part of the keys: they exchange them
+            out = batch.cp.attend(q, k, v, k_rows, v_rows)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
 
         out = torch.empty_like(q)
         starts = batch.cu_seqlens_host
@@ -253,8 +256,11 @@ class LlamaModel(nn.Module):
                 hooks.after_layer(i)
         if logits == "last":
             x = x[batch.last_index]
+        elif batch.cp is not None:
+            raise ConfigError("all-token logits are not gathered under context parallelism")
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(x), weight)
+        out = F.linear(self.norm(x), weight)
+        return out if batch.cp is None else batch.cp.gather_last(out)
 
     def _rope_tables(
         self, positions: torch.Tensor, dtype: torch.dtype

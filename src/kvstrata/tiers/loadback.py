@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..cache.radix import MatchResult, Node, RadixTree
+from ..errors import TransferError
 from ..residency import Tier
 from .tickets import TicketKind, TicketLedger
 from .transfer import Transfer
@@ -46,9 +47,11 @@ class LoadBack:
     ledger: TicketLedger
     num_layers: int
     drain: Callable[[], None]  # routes finished copies to the ledger (the engine's poll)
+    rank: int = 0  # under CP this rank loads only the pages of its own lane
     stats: LoadStats = field(default_factory=LoadStats)
     _step_tickets: list[int] = field(default_factory=list)
     _host_locked: dict[int, Node] = field(default_factory=dict)
+    _landed: dict[int, bool] = field(default_factory=dict)  # ticket -> ok, once polled
 
     def start(self, hit: MatchResult, device_pages: IntArray) -> bool:
         """Load ``hit``'s host-only part into ``device_pages`` (one per page, owners matching).
@@ -65,13 +68,14 @@ class LoadBack:
         assert offset == device_pages.size, (offset, device_pages.size)
         ticket = self.ledger.issue(TicketKind.LOAD)
         self._host_locked[ticket] = hit.last_node
-        host_slots = hit.host_pages // cp
-        device_slots = device_pages // cp
+        own = device_pages % cp == self.rank
+        host_slots = hit.host_pages[own] // cp
+        device_slots = device_pages[own] // cp
         for layer in range(self.num_layers):
             self.transfer.h2d(ticket, layer, host_slots, device_slots)
         self.transfer.close(ticket, self.num_layers)
         self.drain()
-        if self.ledger.error(ticket) is not None:
+        if self._landed.get(ticket) is False:  # the CPU path copies at once: it failed
             self.stats.failed += 1
             for node in reversed(hit.host_nodes):  # leaf side first: device residency is rooted
                 tree.trim(node, Tier.L1, node.span)
@@ -87,15 +91,26 @@ class LoadBack:
             return
         t0 = time.perf_counter()
         for ticket in self._step_tickets:
-            if not self.ledger.finished(ticket):  # a landed copy needs no wait (CPU: all of them)
+            landed = self._landed.get(ticket)
+            if landed is None:
                 self.transfer.wait_layer(ticket, layer)
+            elif not landed:
+                raise TransferError(
+                    f"load-back ticket {ticket} failed before the forward read its pages"
+                )
         self.stats.wait_s += time.perf_counter() - t0
 
     def end_forward(self) -> None:
         self._step_tickets = []
 
+    def note_landed(self, ticket: int, ok: bool) -> None:
+        """The transfer finished ``ticket`` on this rank (a load's copies need no more waiting)."""
+        if ticket in self._host_locked:
+            self._landed[ticket] = ok
+
     def settle(self, ticket: int, ok: bool) -> None:
         """The frontier covers the load ``ticket``: release its host pages."""
+        self._landed.pop(ticket, None)
         self.tree.host_unlock(self._host_locked.pop(ticket))
 
     @property

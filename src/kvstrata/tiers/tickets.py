@@ -30,10 +30,14 @@ class TicketKind(Enum):
 @dataclass(frozen=True, slots=True)
 class Progress:
     """Tickets ``1..done_upto`` finished (here, or on every rank for a frontier); ``failed``
-    lists those among them whose copy failed."""
+    lists those among them whose copy failed. ``applied_upto`` and ``issued_upto`` are replicated
+    (every rank issues and applies the same tickets), so a frontier collective can size its
+    failure bitmap from them."""
 
     done_upto: int
     failed: frozenset[int] = frozenset()
+    applied_upto: int = 0
+    issued_upto: int = 0
 
 
 #: Turns this rank's progress into the commit frontier. One rank: the identity.
@@ -79,7 +83,7 @@ class TicketLedger:
         failed = frozenset(
             t for t in range(self.applied_upto + 1, self._done_upto + 1) if not self._issued[t].ok
         )
-        return Progress(self._done_upto, failed)
+        return Progress(self._done_upto, failed, self.applied_upto, self.next_ticket - 1)
 
     def advance(self, frontier: Progress) -> list[tuple[int, TicketKind, bool]]:
         """Tickets the frontier newly covers, in issue order: ``(ticket, kind, ok)``."""
@@ -94,6 +98,22 @@ class TicketLedger:
     def in_flight(self, kind: TicketKind | None = None) -> int:
         """Tickets issued and not yet applied (of one kind, or all)."""
         return sum(1 for r in self._issued.values() if kind is None or r.kind is kind)
+
+    def check(self) -> None:
+        """applied <= done <= issued, and exactly the unapplied tickets are on record."""
+        issued = self.next_ticket - 1
+        if not 0 <= self.applied_upto <= self._done_upto <= issued:
+            raise AssertionError(
+                f"tickets applied {self.applied_upto}, done {self._done_upto}, issued {issued}"
+            )
+        if set(self._issued) != set(range(self.applied_upto + 1, issued + 1)):
+            raise AssertionError(
+                "the ticket ledger lost or kept a ticket outside (applied, issued]"
+            )
+        if any(
+            not self._issued[t].finished for t in range(self.applied_upto + 1, self._done_upto + 1)
+        ):
+            raise AssertionError("a ticket inside the finished prefix is not finished")
 
     def finished(self, ticket: int) -> bool:
         """Whether this rank's copies of ``ticket`` have landed (or it was applied already)."""

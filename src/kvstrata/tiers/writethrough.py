@@ -74,6 +74,7 @@ class WriteThrough:
     num_layers: int
     policy: str = "write_through"
     hits: int = 2  # write_through_selective: back a node up once it has this many hits
+    rank: int = 0  # under CP this rank copies only the pages of its own lane
     stats: BackupStats = field(default_factory=BackupStats)
     _step: list[Reservation] = field(default_factory=list)
     _step_ticket: int = 0
@@ -136,9 +137,16 @@ class WriteThrough:
         """Submit this step's copies of ``layer`` (the layer has just written its KV)."""
         if not self._step:
             return
-        device = np.concatenate([r.device_pages for r in self._step]) // self.tree.cp_size
-        host = np.concatenate([r.host_pages for r in self._step]) // self.tree.cp_size
+        device, host = self._own_slots(self._step)
         self.transfer.d2h(self._step_ticket, layer, device, host)
+
+    def _own_slots(self, reservations: list[Reservation]) -> tuple[IntArray, IntArray]:
+        """This rank's device and host slots of the reserved pages (its lane only)."""
+        cp = self.tree.cp_size
+        device = np.concatenate([r.device_pages for r in reservations])
+        host = np.concatenate([r.host_pages for r in reservations])
+        own = device % cp == self.rank
+        return device[own] // cp, host[own] // cp
 
     def end_forward(self) -> None:
         """Close this step's ticket: every layer has been submitted."""
@@ -198,8 +206,7 @@ class WriteThrough:
         if not ticket:
             return 0
         if started:
-            device = np.concatenate([r.device_pages for r in started]) // self.tree.cp_size
-            host = np.concatenate([r.host_pages for r in started]) // self.tree.cp_size
+            device, host = self._own_slots(started)
             for layer in range(self.num_layers):
                 self.transfer.d2h(ticket, layer, device, host)
             self.transfer.close(ticket, self.num_layers)
