@@ -119,3 +119,19 @@ def test_forward_writes_the_payload_of_each_whole_sequence(kv_width: int, path: 
     for i, n in enumerate(lengths):
         got = compute.snapshot(pool, tables[i], n)
         assert torch.equal(got, whole_sequence_payload(seqs[i], kv_width)), i
+
+
+def test_weight_table_grows_only_with_the_positions_asked_for() -> None:
+    """The table is rebuilt for a new device, never doubled step after step (on CUDA, a pool on
+    "cuda" holds tensors on "cuda:0": comparing the two as devices said they differ, and the
+    table doubled every step until the GPU ran out of memory)."""
+    from kvstrata.model.compute import SyntheticCompute
+
+    compute = SyntheticCompute(4, 100)
+    cpu = torch.device("cpu")
+    first = compute._weights(1000, cpu)
+    for _ in range(10):
+        assert compute._weights(1000, cpu) is first
+    assert first.numel() == 1 << 16
+    bigger = compute._weights(200_000, cpu)
+    assert bigger.numel() == 200_000 and torch.equal(bigger[: first.numel()], first)

@@ -256,11 +256,20 @@ class SyntheticCompute:
         """``w(position)`` for positions ``[0, num_positions)`` at least, from a table grown on
         demand (a gather per token instead of four int64 ops)."""
         table = self._weight_table
-        if table is None or table.device != device or table.numel() < num_positions:
+        if table is None or table.device != self._pool_device(device):
+            table = None  # another device: start over (comparing "cuda" with "cuda:0" is unequal)
+        if table is None or table.numel() < num_positions:
             have = table.numel() if table is not None else 0
             size = max(num_positions, 2 * have, 1 << 16)
             table = self._weight_table = _position_weights(torch.arange(size, device=device))
         return table
+
+    @staticmethod
+    def _pool_device(device: torch.device) -> torch.device:
+        """``device`` with its index, as tensors made on it report it."""
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def _forward_cp(self, batch: ForwardBatch, pool: DevicePool) -> None:
         """Under context parallelism: the running state of every extend token of the step (the
