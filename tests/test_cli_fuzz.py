@@ -89,6 +89,27 @@ BASE = {
         "--replay-trace",
         "builtin",
     ],
+    "bench disk": [
+        "bench",
+        "disk",
+        "--dir",
+        "/tmp",
+        "--gib",
+        "0.0001",
+        "--layers",
+        "1",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--page-size",
+        "4",
+        "--repeat",
+        "1",
+        "--io-mode",
+        "buffered",
+    ],
+    "disk": ["disk", "check"],  # its value: the directory (test_disk_check_positional)
     "bench transfer": [
         "bench",
         "transfer",
@@ -246,6 +267,20 @@ def test_bench_cp_flags() -> None:
 @pytest.mark.slow
 def test_bench_memory_flags() -> None:
     fuzz("bench memory", 12)  # a valid value runs two child processes
+
+
+@pytest.mark.slow
+def test_bench_disk_flags() -> None:
+    fuzz("bench disk", 20)  # a valid value runs dd
+
+
+@given(value=BAD_VALUES)
+@settings(max_examples=30, derandomize=True, deadline=None)
+def test_disk_check_positional(value: str) -> None:
+    assert FLAGS["disk"] == []  # `disk` has actions, not flags; `disk check` only switches
+    code, _, err = run(["disk", "check", value])
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("kvstrata disk: error: "), err
 
 
 @given(value=BAD_VALUES)

@@ -46,6 +46,11 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
     return found
 
 
+#: Flags the README announces for work in progress, each only in a paragraph that says they come
+#: with it. When one exists, drop it here and the README's note with it.
+PLANNED = {"--l3-dir", "--l3-gib", "--l3-start"}  # with the disk tier's engine integration
+
+
 def test_readme_flags_exist() -> None:
     known = _options(build_parser()) | {"--nproc-per-node"}  # torchrun's, in the CP example
     for name in BENCHMARKS:
@@ -53,4 +58,8 @@ def test_readme_flags_exist() -> None:
     readme = (ROOT / "README.md").read_text()
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", readme))
     assert {"--threads", "--version", "--fail-on-error"} <= flags
-    assert flags <= known, flags - known
+    assert flags <= known | PLANNED, flags - known - PLANNED
+    assert not PLANNED & known, f"{PLANNED & known} exist now: drop them from PLANNED"
+    for paragraph in readme.split("\n\n"):
+        if any(flag in paragraph for flag in PLANNED):
+            assert "coming with" in paragraph, paragraph

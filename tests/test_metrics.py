@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -142,3 +143,34 @@ def test_replay_prints_where_metrics_are_served(capsys: pytest.CaptureFixture[st
     code = main(["replay", "--model", "none", "--metrics-port", "0", "--limit", "5"])
     assert code == 0
     assert "metrics on http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_the_disk_tier_joins_the_families(tmp_path: Path) -> None:
+    """With an L3, its slots are a tier's pages and its counters are exported; the tokens the
+    engine counts as disk hits equal what the disk tier says it served."""
+    scraper = Scraper(at_step=-1)
+    cfg = ReplayConfig(
+        workload="builtin",
+        model="none",
+        kv_width=8,
+        vocab_size=1000,
+        engine=EngineConfig(
+            page_size=16,
+            pool_tokens=640,
+            chunk_size=64,
+            max_batch_tokens=128,
+            max_batch_requests=4,
+            l2_tokens=640,
+            l3_dir=str(tmp_path / "l3"),
+            l3_gib=0.05,
+        ),
+        metrics_port=0,
+    )
+    run_replay(cfg, progress=False, observers=[scraper])
+    end = scraper.end
+    assert value(end, "kvstrata_pages_total", tier="l3", lane="0") > 0
+    assert value(end, "kvstrata_disk_total", event="spilled_pages") > 0
+    assert value(end, "kvstrata_hit_tokens_total", tier="l3") == value(
+        end, "kvstrata_disk_total", event="hit_tokens"
+    )
+    assert any(name == "kvstrata_disk_store_total" for name, _ in end)

@@ -11,6 +11,9 @@ kvstrata bench transfer batched page copies device <-> host against a contiguous
 kvstrata bench workload workload statistics: sizes, unique tokens, ideal hit ratio
 kvstrata bench memory   peak RSS of a streamed replay at several workload sizes
 kvstrata bench replay   cache-only replay speed on a whole trace, and what metrics cost
+kvstrata bench cp       bytes moved and step time of both CP attention strategies, cp = 1, 2, 4
+kvstrata bench disk     spill and reload through the disk tier against dd with O_DIRECT
+kvstrata disk check     audit a disk tier directory: slabs against the index (--fix repairs)
 
 Errors in the input end in one stderr line and exit status 2; :mod:`kvstrata.command` lists the
 exit codes.
@@ -45,7 +48,17 @@ if TYPE_CHECKING:
 #: (docs/benchmarks.md, "CPU threads"), while they gain at most ~1.3x on an idle machine.
 DEFAULT_THREADS = 1
 #: ``kvstrata bench NAME`` runs ``kvstrata.benchmarks.NAME.run_main``.
-BENCHMARKS = ("radix", "prefill", "planner", "transfer", "workload", "memory", "cp", "replay")
+BENCHMARKS = (
+    "radix",
+    "prefill",
+    "planner",
+    "transfer",
+    "workload",
+    "memory",
+    "cp",
+    "disk",
+    "replay",
+)
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -639,6 +652,81 @@ def _run_bench(args: argparse.Namespace) -> int:
     return run_main(args.rest)
 
 
+def _disk_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "disk",
+        help="the disk tier (L3): audit a directory",
+        description="Tools for a disk tier directory (slabs/ and index/ under it).",
+    )
+    actions = p.add_subparsers(dest="disk_command", required=True, metavar="ACTION")
+    c = actions.add_parser(
+        "check",
+        help="audit slabs against the index; --fix repairs",
+        description="Audit a disk tier directory: every index entry must name a slot of a valid, "
+        "full-length slab whose header (and payload CRC) holds that page, with all its payloads "
+        "in one slot and no two pages in one slot. Prints every inconsistency. With --fix, drops "
+        "the index entries of pages that do not check out (they become misses), extends "
+        "truncated slabs and removes slab files that are not valid, then audits again. Exit "
+        "status 0 only when the directory is clean (after --fix: when the repair left it clean), "
+        "1 when it is not, 2 when DIR is not a disk tier directory or a store is using it.",
+        formatter_class=HelpFormatter,
+    )
+    c.add_argument("dir", metavar="DIR", help="the disk tier directory")
+    c.add_argument("--fix", action="store_true", help="repair what does not check out")
+    c.add_argument(
+        "--quick",
+        action="store_true",
+        help="check slot headers only (4 KiB a page), not the payload CRCs (the whole page)",
+    )
+    c.add_argument("--json", action="store_true", help="print the report as JSON, last line")
+    c.set_defaults(func=_run_disk_check)
+
+
+def _run_disk_check(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .tiers.disk_audit import audit_directory
+
+    root = Path(args.dir)
+    report = audit_directory(root, fix=args.fix, payload=not args.quick)
+    found = report.all_problems
+    after = audit_directory(root, payload=not args.quick) if args.fix and found else report
+    print(f"directory   {root}")
+    for g in after.groups:
+        print(
+            f"group       ns {g.namespace.hex()[:16]} rank {g.rank}: {g.num_payloads} payloads, "
+            f"{g.num_slots:,} slots, {len(g.pages):,} pages check out"
+        )
+    print(f"problems    {len(found)}")
+    for problem in found:
+        print(f"  {problem}")
+    if after.clean:
+        verdict = f"FIXED ({len(found)} repaired), clean" if found else "CLEAN"
+    else:
+        verdict = "DIRTY" + ("" if args.fix else " (kvstrata disk check --fix repairs it)")
+    print(f"verdict     {verdict}")
+    if args.json:
+        doc = {
+            "dir": str(root),
+            "clean": after.clean,
+            "fixed": bool(args.fix and found),
+            "problems": [{"kind": p.kind, "where": p.where, "detail": p.detail} for p in found],
+            "remaining": len(after.all_problems),
+            "groups": [
+                {
+                    "namespace": g.namespace.hex(),
+                    "rank": g.rank,
+                    "payloads": g.num_payloads,
+                    "slots": g.num_slots,
+                    "pages": len(g.pages),
+                }
+                for g in after.groups
+            ],
+        }
+        print(json.dumps(doc))
+    return EXIT_OK if after.clean else EXIT_FAILED
+
+
 def build_parser() -> CommandParser:
     """The ``kvstrata`` parser with every subcommand (the bench scripts parse their own flags)."""
     parser = CommandParser(
@@ -654,6 +742,7 @@ def build_parser() -> CommandParser:
     _compare_parser(sub)
     _check_model_parser(sub)
     _bench_parser(sub)
+    _disk_parser(sub)
     return parser
 
 

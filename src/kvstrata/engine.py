@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -53,9 +54,13 @@ from .model.batch import ForwardBatch
 from .model.compute import Compute
 from .ownership import owners, page_span
 from .residency import Tier
+from .tiers.disk_config import DiskConfig
+from .tiers.disk_store import DiskStore
 from .tiers.host_pool import HostPool
 from .tiers.loadback import LoadBack
+from .tiers.page_hash import Namespace, page_hashes
 from .tiers.pool import DevicePool
+from .tiers.spill import DiskTier
 from .tiers.tickets import FrontierFn, TicketKind, TicketLedger, local_frontier
 from .tiers.transfer import Completion, Transfer, TransferStats
 from .tiers.writethrough import Reservation, WriteThrough
@@ -84,6 +89,10 @@ class EngineConfig:
     write_policy: str = "write_through"
     write_through_hits: int = 2
     max_host_alloc_gib: float = 480.0
+    l3_dir: str | None = None  # the disk tier's directory (needs an L2: it spills host pages)
+    l3_gib: float = 0.0  # disk bytes this rank's slabs take
+    l3_start: str = "clear"  # "clear" (start empty) or "load" (keep what the directory holds)
+    l3_min_hits: int = 1  # spill only pages used at least this often
     cp_attention: str = "auto"  # under CP: move_kv, move_queries, or auto (cheaper per step)
     check_digests: bool = False  # under CP: compare replicated digests across ranks every step
 
@@ -133,6 +142,17 @@ class EngineConfig:
                 f"--write-through-hits must be an integer >= 1, got {self.write_through_hits!r}"
             )
         check_strategy(self.cp_attention)
+        if self.l3_dir is not None:
+            if not self.has_l2:
+                raise ConfigError(
+                    "the disk tier (--l3-dir) spills host pages: give an L2 too (--l2-tokens)"
+                )
+            if not 0 < self.l3_gib <= 2**20:
+                raise ConfigError(f"--l3-gib must lie in (0, 1048576], got {self.l3_gib!r}")
+            if self.l3_start not in ("clear", "load"):
+                raise ConfigError(f"--l3-start must be clear or load, got {self.l3_start!r}")
+            if not isinstance(self.l3_min_hits, int) or self.l3_min_hits < 0:
+                raise ConfigError(f"--l3-min-hits must be >= 0, got {self.l3_min_hits!r}")
         if not 0 < self.max_host_alloc_gib <= 2**20:
             raise ConfigError(
                 f"the per-allocation cap must be > 0 GiB, got {self.max_host_alloc_gib!r}"
@@ -214,6 +234,7 @@ class Engine:
         frontier: FrontierFn | None = None,
         group: Group | None = None,
         clock: Clock | None = None,
+        model_id: str = "model",
     ) -> None:
         self.compute = compute
         self.config = config
@@ -274,6 +295,33 @@ class Engine:
             self.loads = LoadBack(
                 self.tree, self.transfer, self.ledger, layout.num_layers, self._drain, self.rank
             )
+        self.disk: DiskTier | None = None
+        self.namespace: Namespace | None = None
+        if config.l3_dir is not None:
+            if cp > 1:
+                raise ConfigError(
+                    "the disk tier runs with one rank so far: drop --l3-dir or use --cp 1"
+                )
+            assert self.host_pool is not None and self.host_allocator is not None
+            self.namespace = Namespace.for_layout(model_id, layout, P, cp)
+            store = DiskStore(
+                self.namespace,
+                self.rank,
+                DiskConfig(
+                    root=Path(config.l3_dir),
+                    budget_bytes=int(config.l3_gib * GIB),
+                    start=config.l3_start,  # type: ignore[arg-type]
+                    min_hits=config.l3_min_hits,
+                ),
+            )
+            self.disk = DiskTier(
+                self.tree, self.host_allocator, self.host_pool, store, self.ledger, self.rank
+            )
+        self._hashes: dict[int, list[bytes]] = {}  # rid -> its full pages' content addresses
+        self._parked: dict[int, _Waiting] = {}  # reload ticket -> the request waiting for it
+        self._reload_tried: set[int] = set()
+        self._l3_tokens: dict[int, int] = {}  # rid -> tokens a reload brought it
+        self._spill_after: dict[int, list[tuple[Node, list[bytes], IntArray]]] = {}
         self.waiting: deque[_Waiting] = deque()
         self._refused: list[Finished] = []
         self.running: list[_Running] = []
@@ -283,7 +331,7 @@ class Engine:
         self.deferred = 0
         self.steps = 0
         self.peak_pages_used = 0
-        self.hit_tokens = {Tier.L1: 0, Tier.L2: 0}
+        self.hit_tokens = {Tier.L1: 0, Tier.L2: 0, Tier.L3: 0}
         self.load_wait_s = 0.0  # clock time steps spent waiting for load-back, in total
         self.strategy_steps: dict[str, int] = {}  # CP attention strategy -> steps that used it
         self.report_delay: Callable[[list[Completion]], list[Completion]] | None = None
@@ -303,7 +351,12 @@ class Engine:
         self.waiting.append(_Waiting(request, self.tree.key(request.tokens), arrived))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._refused)
+        return bool(self.waiting or self.running or self._refused or self._parked)
+
+    def close(self) -> None:
+        """Release what outlives a replay: the disk tier's threads, files and lock."""
+        if self.disk is not None:
+            self.disk.close()
 
     def step(self) -> list[Finished]:
         """Settle finished copies, admit what fits, run one packed forward, insert what it
@@ -370,6 +423,8 @@ class Engine:
         """Wait (bounded) for every copy in flight and settle it at the frontier."""
         if self.transfer is not None:
             self.transfer.synchronize(timeout_s)
+            if self.disk is not None:
+                self.disk.store.flush(timeout_s)
             self._settle()
 
     def check(self) -> None:
@@ -398,14 +453,18 @@ class Engine:
             )
         if self.host_allocator is not None and self.backups is not None:
             self.host_allocator.check()
-            extra = self.backups.held_pages
+            extra = self.backups.held_pages + (self.disk.held_pages if self.disk else 0)
             if self.host_allocator.num_used != self.tree.num_host_pages + extra:
                 raise AssertionError(
                     f"host pages used {self.host_allocator.num_used} != tree "
                     f"{self.tree.num_host_pages} + reserved/orphaned {extra}"
                 )
             host_locks = sum(n.host_ref for n in nodes)
-            expected = (self.loads.host_locks if self.loads else 0) + len(self._reservations)
+            expected = (
+                (self.loads.host_locks if self.loads else 0)
+                + len(self._reservations)
+                + (self.disk.host_locks if self.disk else 0)
+            )
             if host_locks > expected:
                 raise AssertionError(f"{host_locks} host locks for {expected} holders")
         if self.host_pool is not None:
@@ -430,6 +489,8 @@ class Engine:
         they count as progress, as a slow rank would."""
         if self.transfer is None:
             return
+        if self.disk is not None:
+            self.disk.poll()
         landed = self.transfer.poll()
         if self.loads is not None:
             for done in landed:
@@ -448,9 +509,21 @@ class Engine:
             if kind is TicketKind.BACKUP:
                 assert self.backups is not None
                 self.backups.settle(ticket, ok)
-            else:
+                for node, hashes, host_pages in self._spill_after.pop(ticket, []):
+                    if ok and self.disk is not None:
+                        self.disk.spill(node, hashes, host_pages, node.hit_count + 1)
+            elif kind is TicketKind.LOAD:
                 assert self.loads is not None
                 self.loads.settle(ticket, ok)
+            elif kind is TicketKind.SPILL:
+                assert self.disk is not None
+                self.disk.settle_spill(ticket)
+            else:
+                assert self.disk is not None
+                brought = self.disk.settle_reload(ticket, ok)
+                if brought is not None:
+                    self._l3_tokens[brought[0]] = brought[1]
+                self.waiting.appendleft(self._parked.pop(ticket))
 
     def before_layer(self, layer: int) -> None:
         if self.loads is not None:
@@ -497,6 +570,8 @@ class Engine:
                 passed.append(waiting)
                 self.deferred += 1
                 continue
+            if self.disk is not None and self._start_reload(waiting):
+                continue  # parked until the disk read lands; the others go on
             try:
                 run = self._try_start(request, key, arrived_at, now)
             except RequestError as error:
@@ -511,6 +586,34 @@ class Engine:
             budget -= min(cfg.chunk_size, len(key) - run.done_len)
         self.waiting.extendleft(reversed(passed))
         return failed
+
+    def _page_hashes(self, request: Request, key: TokenKey) -> list[bytes]:
+        """The content addresses of ``request``'s full pages (computed once)."""
+        hashes = self._hashes.get(request.rid)
+        if hashes is None:
+            assert self.namespace is not None
+            full = key.num_full_pages * self.config.page_size
+            hashes = self._hashes[request.rid] = page_hashes(self.namespace, key.tokens[:full])
+        return hashes
+
+    def _start_reload(self, waiting: _Waiting) -> bool:
+        """Park ``waiting`` behind a reload of the pages the tree misses that the disk holds."""
+        request, key = waiting.request, waiting.key
+        if request.rid in self._reload_tried:
+            return False
+        self._reload_tried.add(request.rid)
+        assert self.disk is not None
+        limit = self._reusable_len(len(key))
+        hit = self.tree.match_prefix(key, max_len=limit, record=False)
+        if hit.valid_len >= limit:
+            return False
+        ticket = self.disk.try_reload(
+            key, self._page_hashes(request, key), hit.valid_len, limit, hit.last_node, request.rid
+        )
+        if ticket is None:
+            return False
+        self._parked[ticket] = waiting
+        return True
 
     def _refusal(self, request: Request) -> RequestError | None:
         """Why ``request`` can never run on this engine, or None."""
@@ -594,8 +697,12 @@ class Engine:
         tree.record_hit(node)
         if self.backups is not None:
             self.backups.on_hit(node)
+        from_disk = min(self._l3_tokens.pop(request.rid, 0), host_len)
         self.hit_tokens[Tier.L1] += cached_len - host_len
-        self.hit_tokens[Tier.L2] += host_len
+        self.hit_tokens[Tier.L2] += host_len - from_disk
+        self.hit_tokens[Tier.L3] += from_disk
+        if self.disk is not None:
+            self.disk.stats.hit_tokens += from_disk
         self.peak_pages_used = max(self.peak_pages_used, allocator.num_used)
         pages = np.concatenate((hit.device_pages, new_pages))
         return _Running(
@@ -695,7 +802,16 @@ class Engine:
         res = self._reservations.pop(id(run), None)
         if res is not None:
             assert self.backups is not None
-            self.backups.attach(res, result.node)
+            if self.backups.attach(res, result.node) and self.disk is not None:
+                full = min(res.host_pages.size, upto // P - res.first_page)  # no valid tail
+                hashes = self._page_hashes(run.request, run.key)
+                self._spill_after.setdefault(res.ticket, []).append(
+                    (
+                        result.node,
+                        hashes[res.first_page : res.first_page + full],
+                        res.host_pages[:full],
+                    )
+                )
         run.inserted_len = upto
 
     def _snapshot(self, run: _Running) -> torch.Tensor | None:
@@ -728,6 +844,8 @@ class Engine:
                 )
 
     def _finish(self, run: _Running, now: float) -> Finished:
+        self._hashes.pop(run.request.rid, None)
+        self._reload_tried.discard(run.request.rid)
         payload = self._snapshot(run) if run.keep_logits else None
         if run.duplicates:
             self.allocator.free(np.unique(np.concatenate(run.duplicates)))

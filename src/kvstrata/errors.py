@@ -20,6 +20,10 @@ Everything kvstrata raises on purpose derives from :class:`KVStrataError`::
     ├── ModelError               a checkpoint or model that kvstrata cannot load
     │   ├── CheckpointError      missing config/weights, or a weight of the wrong shape
     │   └── UnsupportedArchitectureError
+    ├── DiskStoreError           the disk tier (L3) cannot start on its directory: unwritable,
+    │   │                        too small for the budget, in use by another process, O_DIRECT
+    │   │                        required but missing, or a store that cannot be opened
+    │   └── DiskFormatError      a slab or index of another geometry or format version
     ├── WorkloadError            a malformed trace file (line number in the message)
     ├── CollectiveError          a collective across CP ranks failed or timed out (names the step)
     ├── DivergenceError          ranks' replicated state or configuration differ (names what)
@@ -100,6 +104,16 @@ class CheckpointError(ModelError):
 
 class UnsupportedArchitectureError(ModelError):
     """The checkpoint's architecture is not one kvstrata implements."""
+
+
+class DiskStoreError(KVStrataError):
+    """The disk tier (L3) refuses to start on its directory; the message says what to change.
+    Failures while it runs (a write error, a page that fails verification) are counted and
+    reported by ``DiskStore.poll()`` / ``stats()``, never raised."""
+
+
+class DiskFormatError(DiskStoreError):
+    """A slab file or index on disk has another geometry or format version than the store."""
 
 
 class WorkloadError(KVStrataError):

@@ -21,7 +21,9 @@ metric                                                 labels
 ``kvstrata_steps_total``, ``kvstrata_clock_seconds``   engine steps; the engine clock now
 =====================================================  ========================================
 
-The disk tier's counters join the ``tier`` and ``direction`` families when it lands (l3).
+With a disk tier, ``tier="l3"`` joins the page and hit families (its slots, one lane), and
+``kvstrata_disk_total{event}`` (spills, reloads, reload misses, ...) and
+``kvstrata_disk_store_total{counter}`` (the store's I/O, verification and GC counters) appear.
 :func:`serve` exposes a registry over HTTP on one address (127.0.0.1 unless told otherwise).
 """
 
@@ -29,10 +31,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import ConfigError
-from .residency import Tier
 from .tiers.tickets import TicketKind
 
 if TYPE_CHECKING:
@@ -105,8 +107,8 @@ class CacheMetrics:
         if e.host_allocator is not None:
             _lanes(used, total, "l2", e.host_allocator)
         hits = fam(counter, "hit_tokens", "Prompt tokens served from each tier.", ["tier"])
-        hits.add_metric(["l1"], e.hit_tokens[Tier.L1])
-        hits.add_metric(["l2"], e.hit_tokens[Tier.L2])
+        for tier, tokens in e.hit_tokens.items():
+            hits.add_metric([tier.name.lower()], tokens)
         pages = fam(counter, "moved_pages", "Pages copied between tiers (landed).", ["direction"])
         moved = fam(counter, "moved_bytes", "Bytes copied between tiers (landed).", ["direction"])
         stats = e.transfer_stats()
@@ -129,6 +131,7 @@ class CacheMetrics:
         loads.add_metric(["failed"], ld.failed if ld else 0)
         wait = fam(counter, "load_back_wait_seconds", "Engine clock spent waiting for load-back.")
         wait.add_metric([], e.load_wait_s)
+        disk = self._disk(counter, used, total)
         t = self.totals()
         requests = fam(counter, "requests", "Finished requests by outcome.", ["outcome"])
         requests.add_metric(["ok"], t.requests - t.failed)
@@ -146,7 +149,30 @@ class CacheMetrics:
         steps.add_metric([], e.steps)
         clock = fam(gauge, "clock_seconds", f"The engine's {e.clock.kind} clock.")
         clock.add_metric([], e.clock.now())
-        return [*out, steps, clock]
+        return [*out, steps, clock, *disk]
+
+    def _disk(self, counter: Any, used: Any, total: Any) -> list[Metric]:
+        """The disk tier (L3), when the engine has one: its slots as a tier's pages, what the
+        engine did with it, and the store's own counters (I/O, verification, GC)."""
+        disk = self.engine.disk
+        if disk is None:
+            return []
+        store = disk.store.stats()
+        used.add_metric(["l3", "0"], store.used_slots)
+        total.add_metric(["l3", "0"], store.num_slots)
+        engine = counter(
+            f"{NAMESPACE}_disk", "What the engine did with the disk tier.", labels=["event"]
+        )
+        for name, value in asdict(disk.stats).items():
+            engine.add_metric([name], value)
+        own = counter(
+            f"{NAMESPACE}_disk_store",
+            "The disk store's counters: I/O, verification failures, GC.",
+            labels=["counter"],
+        )
+        for name, value in sorted(store.counters.items()):
+            own.add_metric([name], value)
+        return [engine, own]
 
 
 def _lanes(used: Any, total: Any, tier: str, allocator: PageAllocator) -> None:

@@ -780,6 +780,7 @@ def _run(
     finally:
         if server is not None:
             server.close()
+        engine.close()  # the disk tier's threads and files
 
     verify = VerifyReport()
     if not interrupted and group.rank == 0:  # recomputing without the cache needs no peers
@@ -978,7 +979,13 @@ def recompute_uncached(compute: Compute, config: EngineConfig, request: Request)
     page size and chunking), sized for that one request."""
     P = config.page_size
     pool_tokens = page_span(request.tokens.size, P) * P
-    fields = {**asdict(config), "pool_tokens": pool_tokens, "l2_tokens": 0, "l2_gib": 0.0}
+    fields = {
+        **asdict(config),
+        "pool_tokens": pool_tokens,
+        "l2_tokens": 0,
+        "l2_gib": 0.0,
+        "l3_dir": None,
+    }
     solo = Engine(compute, EngineConfig(**fields))
     solo.keep_logits = {request.rid}
     solo.add(request)

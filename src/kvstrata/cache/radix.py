@@ -665,7 +665,45 @@ class RadixTree:
         """Whether ``node``'s tokens from ``lo`` to its end equal ``key``'s."""
         return key.same_tokens(lo, node.tokens[lo - node.start :])
 
-    def _new_leaf(self, parent: Node, key: TokenKey, m: int, pages: IntArray) -> Node:
+    def insert_host(self, tokens: TokenKey | object, host_pages: IntArray, cached_len: int) -> Node:
+        """Insert whole pages that only the host holds (a reload from disk): ``host_pages`` for the
+        pages after the first ``cached_len`` tokens, which the tree must hold exactly, ending at a
+        node with a host copy (host residency is root-connected). Returns the new host-only leaf.
+        """
+        key = self.key(tokens)
+        P, n = self.page_size, len(key)
+        host_pages = np.asarray(host_pages, dtype=np.int64)
+        if (
+            n % P
+            or cached_len % P
+            or not 0 <= cached_len < n
+            or host_pages.shape != ((n - cached_len) // P,)
+        ):
+            raise ConfigError(
+                f"insert_host of {n} tokens after {cached_len} needs whole pages, one host page "
+                f"each (page_size {P}); got {host_pages.shape}"
+            )
+        path, m = self._descend(key)
+        parent = path[-1] if path else self.root
+        if m * P != cached_len or parent.end != cached_len:
+            raise TreeUsageError(
+                f"insert_host after {cached_len} tokens: the tree holds {m * P} of them"
+                + ("" if parent.end == m * P else f" (its node ends at {parent.end})")
+            )
+        if parent is not self.root and not parent.on_host:
+            raise TreeUsageError(
+                f"insert_host under {parent!r}, which has no host copy (host residency is "
+                "root-connected)"
+            )
+        lanes_ok = host_pages % self.cp_size == np.arange(m, n // P) % self.cp_size
+        if not lanes_ok.all():
+            raise TreeUsageError("insert_host: host pages of the wrong lanes")
+        self._check_new_pages(Tier.L2, host_pages)
+        return self._new_leaf(parent, key, m, host_pages, Tier.L2)
+
+    def _new_leaf(
+        self, parent: Node, key: TokenKey, m: int, pages: IntArray, tier: Tier = Tier.L1
+    ) -> Node:
         self._version += 1
         P, n = self.page_size, len(key)
         start = m * P
@@ -685,7 +723,13 @@ class RadixTree:
         parent.children[leaf.first_key] = leaf
         self.num_tokens += n - start
         self.num_nodes += 1
-        self._set_device(leaf, pages[m:].copy())
+        if tier is Tier.L1:
+            self._set_device(leaf, pages[m:].copy())
+        else:  # a reload from disk: only the host holds it
+            leaf.pages = _EMPTY_PAGES
+            self._set_host(leaf, pages.copy(), Residency.HOST)
+            leaf.last_access = self.clock
+            self._refresh(leaf)
         return leaf
 
     def _split(self, node: Node, at: int) -> Node:

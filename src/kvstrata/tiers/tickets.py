@@ -25,6 +25,8 @@ from enum import Enum
 class TicketKind(Enum):
     BACKUP = "backup"  # device -> host: write-through, selective, write-back
     LOAD = "load"  # host -> device: load-back
+    SPILL = "spill"  # host -> disk: released once the store has gathered the pages
+    RELOAD = "reload"  # disk -> host: inserted as a host-only node
 
 
 @dataclass(frozen=True, slots=True)

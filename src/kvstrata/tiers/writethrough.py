@@ -159,9 +159,9 @@ class WriteThrough:
 
     # -- attach after the insert -----------------------------------------------------------------
 
-    def attach(self, res: Reservation, node: Node) -> None:
+    def attach(self, res: Reservation, node: Node) -> bool:
         """The chunk's insert put its pages into ``node``: start the node's pending backup, or
-        orphan the host pages when the insert kept other pages there."""
+        orphan the host pages when the insert kept other pages there. True if it backs up."""
         tree = self.tree
         if res.anchor is not tree.root:
             tree.host_unlock(res.anchor)
@@ -179,6 +179,7 @@ class WriteThrough:
             tree.start_backup(node, res.host_pages, res.ticket)
         else:
             self._orphan(res.ticket, res.host_pages)
+        return fits
 
     def _orphan(self, ticket: int, host_pages: IntArray) -> None:
         self.stats.orphaned_pages += host_pages.size

@@ -1,0 +1,403 @@
+"""The disk tier's bytes on disk: slab files of fixed 4 KiB-aligned slots, and their I/O.
+
+One preallocated slab file per (namespace, rank, payload). Its first 4 KiB are a *superblock*
+that says what the file holds; slot ``s`` follows at ``ALIGN + s * slot_bytes``::
+
+    offset 0            ALIGN               ALIGN + slot_bytes
+    | superblock | pad  | header | payload | pad | header | payload | pad | ...
+                        |<------ slot 0 -------->|<------ slot 1 -------->|
+
+    slot header (64 bytes, little-endian):
+      magic "KVSTRPG\\0" | format u16 | payload kind u16 | flags u32 | page hash 32s
+      | payload length u32 | payload CRC-32C u32 | reserved u32 | header CRC-32C u32
+
+``slot_bytes`` is header + payload rounded up to 4 KiB, so every slot starts and ends on an
+O_DIRECT boundary and a page of one payload is one write and one read. The payload is the page's
+layers in order (layer 0's ``page_size`` tokens, then layer 1's, ...), as the ``page_first`` host
+layout keeps them. A slot is only *believed* through the index (``disk_index.py``); its header is
+checked on every read (magic, format, kind, hash, length, both CRCs), so a torn, stale or foreign
+slot reads as a miss, never as someone else's bytes.
+
+I/O is ``O_DIRECT`` from page-aligned anonymous ``mmap`` buffers where the filesystem supports it
+(:func:`probe_direct_io`), else buffered ``pwrite`` / ``pread``; both make data durable with
+``fdatasync`` before the index may name it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c as _crc32c
+
+from ..errors import DiskFormatError, DiskStoreError
+from .page_hash import FORMAT_VERSION
+
+#: O_DIRECT offset, length and buffer alignment (one filesystem block on every disk we target).
+ALIGN = 4096
+SLOT_HEADER_BYTES = 64
+PAGE_MAGIC = b"KVSTRPG\0"
+SLAB_MAGIC = b"KVSTRSB\0"
+#: The slot header before its own CRC (60 bytes) and the superblock before its CRC.
+_SLOT_HEAD = struct.Struct("<8sHHI32sIII")
+_SUPER_HEAD = struct.Struct("<8sHHHHI32s32sQQQ")
+_CRC = struct.Struct("<I")
+assert _SLOT_HEAD.size + _CRC.size == SLOT_HEADER_BYTES
+
+
+def crc32c(data: bytes | memoryview, value: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data``, continuing ``value``; hardware-accelerated (SSE 4.2 /
+    ARMv8 CRC) and releasing the GIL on large buffers."""
+    return int(_crc32c.crc32c(data, value))
+
+
+#: Whether the CRC-32C package runs on the CPU's CRC instructions (reported by the store).
+CRC32C_HARDWARE: bool = bool(_crc32c.hardware_based)
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """A zero-filled, page-aligned anonymous buffer of ``nbytes`` rounded up to :data:`ALIGN`,
+    populated up front (its page faults are paid once here, not on the first pages spilled)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, round_up(max(nbytes, 1)), flags=flags)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotHeader:
+    """The 64-byte header at the start of every written slot."""
+
+    payload_kind: int
+    page_hash: bytes
+    payload_len: int
+    payload_crc: int
+    flags: int = 0
+    format_version: int = FORMAT_VERSION
+
+    def pack_into(self, buf: memoryview | mmap.mmap, offset: int = 0) -> None:
+        _SLOT_HEAD.pack_into(
+            buf,
+            offset,
+            PAGE_MAGIC,
+            self.format_version,
+            self.payload_kind,
+            self.flags,
+            self.page_hash,
+            self.payload_len,
+            self.payload_crc,
+            0,
+        )
+        head = memoryview(buf)[offset : offset + _SLOT_HEAD.size]
+        _CRC.pack_into(buf, offset + _SLOT_HEAD.size, crc32c(head))
+
+
+def decode_slot_header(buf: memoryview) -> SlotHeader | str:
+    """The header at the start of ``buf``, or why it is not a valid one."""
+    if len(buf) < SLOT_HEADER_BYTES:
+        return f"short read ({len(buf)} bytes)"
+    magic, version, kind, flags, page_hash, length, crc, _ = _SLOT_HEAD.unpack_from(buf)
+    if magic != PAGE_MAGIC:
+        return "no page header (bad magic)"
+    if _CRC.unpack_from(buf, _SLOT_HEAD.size)[0] != crc32c(buf[: _SLOT_HEAD.size]):
+        return "header CRC mismatch"
+    if version != FORMAT_VERSION:
+        return f"format version {version}, not {FORMAT_VERSION}"
+    return SlotHeader(kind, page_hash, length, crc, flags, version)
+
+
+def check_slot(
+    buf: memoryview, payload_kind: int, page_hash: bytes, payload_len: int, payload: bool = True
+) -> str | None:
+    """None when ``buf`` (a slot read from disk) holds payload ``payload_kind`` of ``page_hash``,
+    intact; else the reason. ``payload=False`` checks the header only."""
+    head = decode_slot_header(buf)
+    if isinstance(head, str):
+        return head
+    if head.page_hash != page_hash:
+        return "the slot holds another page"
+    if head.payload_kind != payload_kind:
+        return f"payload kind {head.payload_kind}, not {payload_kind}"
+    if head.payload_len != payload_len:
+        return f"payload length {head.payload_len}, not {payload_len}"
+    if payload:
+        end = SLOT_HEADER_BYTES + payload_len
+        if len(buf) < end:
+            return f"short read ({len(buf)} of {end} bytes)"
+        if crc32c(buf[SLOT_HEADER_BYTES:end]) != head.payload_crc:
+            return "payload CRC mismatch"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class SlabGeometry:
+    """What one slab file holds: ``num_slots`` slots of payload ``kind`` of ``num_payloads``."""
+
+    namespace: bytes
+    rank: int
+    payload_kind: int
+    num_payloads: int
+    payload_name: str
+    payload_len: int
+    num_slots: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return round_up(SLOT_HEADER_BYTES + self.payload_len)
+
+    @property
+    def file_bytes(self) -> int:
+        return ALIGN + self.num_slots * self.slot_bytes
+
+    def slot_offset(self, slot: int) -> int:
+        assert 0 <= slot < self.num_slots, f"slot {slot} outside [0, {self.num_slots})"
+        return ALIGN + slot * self.slot_bytes
+
+    def file_name(self) -> str:
+        return (
+            f"{self.namespace.hex()[:16]}-r{self.rank}-{self.payload_kind}-{self.payload_name}.slab"
+        )
+
+    def encode(self) -> bytes:
+        """The superblock: this geometry, the format version and a CRC, padded to ALIGN."""
+        name = self.payload_name.encode()
+        assert len(name) <= 32, "payload names are identifiers of at most 32 bytes"
+        head = _SUPER_HEAD.pack(
+            SLAB_MAGIC,
+            FORMAT_VERSION,
+            self.payload_kind,
+            self.num_payloads,
+            0,
+            self.rank,
+            self.namespace,
+            name,
+            self.payload_len,
+            self.slot_bytes,
+            self.num_slots,
+        )
+        return (head + _CRC.pack(crc32c(head))).ljust(ALIGN, b"\0")
+
+    @classmethod
+    def decode(cls, buf: bytes | memoryview) -> SlabGeometry | str:
+        """The geometry a superblock describes, or why ``buf`` is not a valid superblock."""
+        size = _SUPER_HEAD.size + _CRC.size
+        if len(buf) < size:
+            return f"short superblock ({len(buf)} bytes)"
+        fields = _SUPER_HEAD.unpack_from(buf)
+        magic, version, kind, num_payloads, _, rank, ns, name, length, slot_bytes, num_slots = (
+            fields
+        )
+        if magic != SLAB_MAGIC:
+            return "not a kvstrata slab (bad magic)"
+        if _CRC.unpack_from(buf, _SUPER_HEAD.size)[0] != crc32c(
+            memoryview(buf)[: _SUPER_HEAD.size]
+        ):
+            return "superblock CRC mismatch"
+        if version != FORMAT_VERSION:
+            return f"slab format version {version}; this kvstrata reads {FORMAT_VERSION}"
+        geom = cls(ns, rank, kind, num_payloads, name.rstrip(b"\0").decode(), length, num_slots)
+        if geom.slot_bytes != slot_bytes or not 0 <= kind < num_payloads:
+            return f"inconsistent superblock (slot bytes {slot_bytes}, kind {kind}/{num_payloads})"
+        return geom
+
+
+def probe_direct_io(directory: Path) -> str | None:
+    """None when ``directory``'s filesystem takes an aligned O_DIRECT write, fdatasync and read;
+    else why not (what the store reports when it falls back to buffered I/O)."""
+    if not hasattr(os, "O_DIRECT"):
+        return "this platform has no O_DIRECT"
+    path = directory / f".odirect-probe-{os.getpid()}"
+    buf = aligned_buffer(ALIGN)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        return f"O_DIRECT open failed: {err.strerror}"
+    try:
+        os.pwrite(fd, buf, 0)
+        os.fdatasync(fd)
+        if os.preadv(fd, [buf], 0) != ALIGN:
+            return "O_DIRECT read came back short"
+        return None
+    except OSError as err:
+        return f"O_DIRECT I/O failed: {err.strerror}"
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+class SlabFile:
+    """One open slab file: slot writes and reads at fixed offsets, and ``fdatasync``.
+
+    Buffers handed to :meth:`write_slot` / :meth:`read_slot` must be page-aligned (slices at
+    :data:`ALIGN` offsets of :func:`aligned_buffer`) and ``slot_bytes`` long; that is what
+    O_DIRECT requires and what the buffered mode accepts as well.
+    """
+
+    def __init__(self, path: Path, geometry: SlabGeometry, direct: bool) -> None:
+        self.path = path
+        self.geometry = geometry
+        self.direct = direct
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        try:
+            self._fd = os.open(path, flags)
+        except OSError as err:
+            raise DiskStoreError(f"cannot open slab {path}: {err.strerror}") from None
+
+    # -- creation and opening --------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: Path, geometry: SlabGeometry, direct: bool) -> SlabFile:
+        """Create (or replace) ``path`` as an empty slab: preallocate it whole, write the
+        superblock, make both durable. A full disk is refused here, not met mid-spill."""
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise DiskStoreError(
+                f"cannot create slab {path}: {err.strerror}; give the disk tier a writable "
+                "directory"
+            ) from None
+        try:
+            os.posix_fallocate(fd, 0, geometry.file_bytes)
+            os.pwrite(fd, geometry.encode(), 0)
+            os.fdatasync(fd)
+        except OSError as err:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskStoreError(
+                    f"no room for a slab of {geometry.file_bytes / 2**30:.2f} GiB at {path}: "
+                    "the disk is full; lower the disk budget or free space"
+                ) from None
+            raise DiskStoreError(f"cannot preallocate slab {path}: {err.strerror}") from None
+        os.close(fd)
+        _fsync_dir(path.parent)
+        return cls(path, geometry, direct)
+
+    @staticmethod
+    def read_geometry(path: Path) -> tuple[SlabGeometry | str, int]:
+        """``(geometry or why the superblock is bad, file size)`` without opening for writes."""
+        try:
+            with open(path, "rb") as f:
+                head = f.read(ALIGN)
+                size = os.fstat(f.fileno()).st_size
+        except OSError as err:
+            return f"unreadable: {err.strerror}", 0
+        return SlabGeometry.decode(head), size
+
+    @classmethod
+    def open_existing(
+        cls, path: Path, geometry: SlabGeometry, direct: bool
+    ) -> tuple[SlabFile, bool]:
+        """Open a slab whose superblock must describe ``geometry``; returns the file and whether
+        it was shorter than its geometry (a truncated slab, extended again here)."""
+        found, size = cls.read_geometry(path)
+        if isinstance(found, str):
+            raise DiskFormatError(
+                f"slab {path}: {found}; start the disk tier with 'clear' to recreate it, or run "
+                "'kvstrata disk check --fix'"
+            )
+        if found != geometry:
+            raise DiskFormatError(
+                f"slab {path} holds {found.num_slots} slots of {found.payload_len}-byte "
+                f"'{found.payload_name}' pages (kind {found.payload_kind} of {found.num_payloads}), "
+                f"this store needs {geometry.num_slots} of {geometry.payload_len}-byte "
+                f"'{geometry.payload_name}' pages (kind {geometry.payload_kind} of "
+                f"{geometry.num_payloads}); start with 'clear' (drops the disk contents) or the "
+                "same budget and model"
+            )
+        slab = cls(path, geometry, direct)
+        truncated = size < geometry.file_bytes
+        if truncated:
+            try:
+                os.posix_fallocate(slab._fd, 0, geometry.file_bytes)
+            except OSError as err:
+                slab.close()
+                raise DiskStoreError(
+                    f"slab {path} is truncated and cannot be extended: {err.strerror}"
+                ) from None
+        return slab, truncated
+
+    # -- I/O -------------------------------------------------------------------------------------
+
+    def write_slot(self, slot: int, buf: memoryview) -> None:
+        """Write one whole slot (header + payload + padding); raises OSError on failure."""
+        assert len(buf) == self.geometry.slot_bytes
+        offset = self.geometry.slot_offset(slot)
+        done = 0
+        while done < len(buf):  # a short write at a regular file is rare but legal
+            n = os.pwrite(self._fd, buf[done:], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"pwrite returned {n}")
+            done += n
+
+    def read_slot(self, slot: int, buf: memoryview) -> int:
+        """Read ``len(buf)`` bytes from the start of ``slot``; returns the bytes read (short past
+        the end of a truncated file). Raises OSError on an I/O error."""
+        offset = self.geometry.slot_offset(slot)
+        done = 0
+        # A short read happens only at the end of the file; O_DIRECT cannot go on from an
+        # unaligned offset, and there is nothing more to read anyway.
+        while done < len(buf) and (done % ALIGN == 0 or not self.direct):
+            n = os.preadv(self._fd, [buf[done:]], offset + done)
+            if n <= 0:
+                break
+            done += n
+        return done
+
+    def sync(self) -> None:
+        os.fdatasync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a file's creation durable (its directory entry)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def lock_path(slab_dir: Path, namespace: bytes, rank: int) -> Path:
+    return slab_dir / f"{namespace.hex()[:16]}-r{rank}.lock"
+
+
+class RankLock:
+    """An exclusive ``flock`` on one (namespace, rank)'s slabs, held while a store or an audit
+    uses them; the kernel drops it when its process dies, so a killed store never blocks."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise DiskStoreError(
+                f"cannot create {path}: {err.strerror}; give the disk tier a writable directory"
+            ) from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            raise DiskStoreError(
+                f"{path.parent} is in use by another process (pid {holder}) for this namespace "
+                "and rank; stop it first or give this one another directory"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = -1

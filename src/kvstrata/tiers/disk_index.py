@@ -1,0 +1,278 @@
+"""The disk tier's index: an LMDB map that is the one durable truth that a page exists.
+
+::
+
+    key    namespace digest 32s | page hash 32s | payload kind u16            66 bytes
+    value  rank u32 | slot u64 | last_access u64                             20 bytes
+    (struct, little-endian; a ``meta`` table holds the index format version)
+
+A page of a store with ``P`` payloads is present when all ``P`` keys exist, name the same rank
+and slot. The store writes data, ``fdatasync``-s it, and only then commits the keys (LMDB commits
+are atomic and, with ``sync``, durable), and deletes the keys before it reuses a slot: a slot no
+key names is free, whatever bytes it holds, so a crash at any point leaves nothing half-visible.
+
+Several ranks (processes) of one machine share one index per disk directory; each touches only its
+own pages (a page hash fixes its position, hence its owner). LMDB allows one environment per path
+per process, so environments are shared and reference-counted here.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from ..errors import DiskFormatError, DiskStoreError
+from .page_hash import HASH_BYTES
+
+KEY = struct.Struct("<32s32sH")
+VALUE = struct.Struct("<IQQ")
+INDEX_FORMAT = 1
+_FORMAT_KEY = b"format"
+#: Virtual size of the LMDB map when the store asks for less (address space, not disk).
+MIN_MAP_BYTES = 1 << 30
+#: Disk bytes reserved per index entry: a 66-byte key and 20-byte value (94 bytes with LMDB's
+#: node header) in B-tree pages at least half full, twice over for copy-on-write commits.
+RESERVE_BYTES_PER_ENTRY = 512
+#: Map (address space) bytes per entry: twice the reservation.
+MAP_BYTES_PER_ENTRY = 2 * RESERVE_BYTES_PER_ENTRY
+
+_ENVS: dict[str, tuple[lmdb.Environment, int]] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    rank: int
+    slot: int
+    last_access: int
+
+
+def encode_key(namespace: bytes, page_hash: bytes, kind: int) -> bytes:
+    return KEY.pack(namespace, page_hash, kind)
+
+
+def decode_key(key: bytes) -> tuple[bytes, bytes, int] | None:
+    """``(namespace, page hash, payload kind)``, or None for a key of another length."""
+    if len(key) != KEY.size:
+        return None
+    ns, page_hash, kind = KEY.unpack(key)
+    return ns, page_hash, kind
+
+
+def decode_value(value: bytes | memoryview) -> IndexEntry | None:
+    if len(value) != VALUE.size:
+        return None
+    return IndexEntry(*VALUE.unpack(value))
+
+
+def _acquire_env(path: Path, map_size: int) -> lmdb.Environment:
+    key = str(path.resolve())
+    with _ENVS_LOCK:
+        if key in _ENVS:
+            env, refs = _ENVS[key]
+            if env.info()["map_size"] < map_size:
+                env.set_mapsize(map_size)
+            _ENVS[key] = (env, refs + 1)
+            return env
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            env = lmdb.open(
+                key,
+                map_size=map_size,
+                subdir=True,
+                max_dbs=2,
+                readahead=False,
+                sync=True,
+                metasync=True,
+                lock=True,
+            )
+        except (lmdb.Error, OSError) as err:
+            raise DiskStoreError(
+                f"cannot open the disk index at {path}: {err}; give the disk tier a writable "
+                "directory on a local filesystem"
+            ) from None
+        env.reader_check()  # readers left behind by killed processes
+        _ENVS[key] = (env, 1)
+        return env
+
+
+def _release_env(env: lmdb.Environment) -> None:
+    with _ENVS_LOCK:
+        for key, (e, refs) in list(_ENVS.items()):
+            if e is env:
+                if refs > 1:
+                    _ENVS[key] = (e, refs - 1)
+                else:
+                    del _ENVS[key]
+                    e.close()
+                return
+
+
+class DiskIndex:
+    """Page entries of every namespace and rank stored under one directory."""
+
+    def __init__(self, path: Path, map_size: int = MIN_MAP_BYTES) -> None:
+        self.path = path
+        self._closed = False
+        self.env = _acquire_env(path, max(map_size, MIN_MAP_BYTES))
+        try:
+            self._pages = self.env.open_db(b"pages")
+            meta = self.env.open_db(b"meta")
+            with self.env.begin(write=True, db=meta) as txn:
+                found = txn.get(_FORMAT_KEY)
+                if found is None:
+                    txn.put(_FORMAT_KEY, struct.pack("<I", INDEX_FORMAT))
+                elif found != struct.pack("<I", INDEX_FORMAT):
+                    raise DiskFormatError(
+                        f"the disk index at {path} has another format "
+                        f"({found.hex()}, this kvstrata writes {INDEX_FORMAT}); use another "
+                        "directory or remove that one"
+                    )
+        except lmdb.Error as err:
+            _release_env(self.env)
+            raise DiskStoreError(f"cannot use the disk index at {path}: {err}") from None
+        except DiskFormatError:
+            _release_env(self.env)
+            raise
+
+    def reserve(self, nbytes: int) -> None:
+        """Preallocate the index file to ``nbytes`` so that commits never meet a full disk
+        (LMDB reuses freed pages and grows its file only past its last page)."""
+        path = self.path / "data.mdb"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as err:
+            raise DiskStoreError(f"cannot open {path}: {err.strerror}") from None
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError as err:
+            raise DiskStoreError(
+                f"cannot reserve {nbytes / 2**20:.1f} MiB for the disk index at {path}: "
+                f"{err.strerror}; lower the disk budget or free space"
+            ) from None
+        finally:
+            os.close(fd)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def page(
+        self, txn: lmdb.Transaction, ns: bytes, rank: int, page_hash: bytes, num_payloads: int
+    ) -> IndexEntry | None:
+        """The page's entry (its slot; the largest last_access of its payloads) when every
+        payload names the same slot of ``rank``; else None."""
+        slot, last = -1, 0
+        for kind in range(num_payloads):
+            raw = txn.get(encode_key(ns, page_hash, kind), db=self._pages)
+            entry = decode_value(raw) if raw is not None else None
+            if entry is None or entry.rank != rank or slot not in (-1, entry.slot):
+                return None
+            slot, last = entry.slot, max(last, entry.last_access)
+        return IndexEntry(rank, slot, last)
+
+    def read(self) -> lmdb.Transaction:
+        """A read transaction (use as a context manager)."""
+        return self.env.begin(db=self._pages)
+
+    def leading(self, ns: bytes, rank: int, hashes: Sequence[bytes], num_payloads: int) -> int:
+        """How many of ``hashes``, from the first, are present."""
+        with self.read() as txn:
+            for i, h in enumerate(hashes):
+                if self.page(txn, ns, rank, h, num_payloads) is None:
+                    return i
+        return len(hashes)
+
+    def items(self, ns: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """Every raw ``(key, value)`` (of namespace ``ns`` only, when given), in key order."""
+        with self.read() as txn:
+            cursor = txn.cursor()
+            found = cursor.set_range(ns) if ns is not None else cursor.first()
+            while found:
+                key, value = (bytes(x) for x in cursor.item())
+                if ns is not None and not key.startswith(ns):
+                    return
+                yield key, value
+                found = cursor.next()
+
+    # -- writes (each one durable LMDB transaction) ----------------------------------------------
+
+    def put_pages(
+        self,
+        ns: bytes,
+        rank: int,
+        pages: Sequence[tuple[bytes, int, int]],
+        num_payloads: int,
+    ) -> None:
+        """Publish ``(page hash, slot, last_access)`` entries for every payload, atomically."""
+        with self.env.begin(write=True, db=self._pages) as txn:
+            for page_hash, slot, last in pages:
+                value = VALUE.pack(rank, slot, last)
+                for kind in range(num_payloads):
+                    txn.put(encode_key(ns, page_hash, kind), value)
+
+    def touch_pages(
+        self, ns: bytes, rank: int, pages: Sequence[tuple[bytes, int, int]], num_payloads: int
+    ) -> None:
+        """Set ``last_access`` of ``(page hash, slot, last_access)`` pages whose entries still
+        name that slot (a page dropped meanwhile is left dropped)."""
+        with self.env.begin(write=True, db=self._pages) as txn:
+            for page_hash, slot, last in pages:
+                value = VALUE.pack(rank, slot, last)
+                for kind in range(num_payloads):
+                    key = encode_key(ns, page_hash, kind)
+                    raw = txn.get(key)
+                    entry = decode_value(raw) if raw is not None else None
+                    if entry is not None and entry.rank == rank and entry.slot == slot:
+                        txn.put(key, value)
+
+    def delete_pages(
+        self,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        num_payloads: int,
+        rank: int | None = None,
+        slot: int | None = None,
+    ) -> None:
+        """Delete every payload entry of ``hashes`` (only those of ``rank`` and naming ``slot``,
+        when given)."""
+        with self.env.begin(write=True, db=self._pages) as txn:
+            for page_hash in hashes:
+                for kind in range(num_payloads):
+                    key = encode_key(ns, page_hash, kind)
+                    if rank is not None or slot is not None:
+                        raw = txn.get(key)
+                        entry = decode_value(raw) if raw is not None else None
+                        if entry is None or rank not in (None, entry.rank):
+                            continue
+                        if slot not in (None, entry.slot):
+                            continue
+                    txn.delete(key)
+
+    def delete_keys(self, keys: Sequence[bytes]) -> None:
+        with self.env.begin(write=True, db=self._pages) as txn:
+            for key in keys:
+                txn.delete(key)
+
+    def clear(self, ns: bytes, rank: int) -> int:
+        """Delete every entry of ``rank`` in namespace ``ns``; returns how many."""
+        doomed = [
+            key
+            for key, value in self.items(ns)
+            if (entry := decode_value(value)) is None or entry.rank == rank
+        ]
+        self.delete_keys(doomed)
+        return len(doomed)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            _release_env(self.env)
+
+
+assert KEY.size == 2 * HASH_BYTES + 2

@@ -1,0 +1,522 @@
+"""The disk tier (L3) of one rank: the store the engine spills host pages to and reloads from.
+
+::
+
+    store = DiskStore(namespace, rank, DiskConfig(root, budget_bytes, start="load"))
+    store.spill(ticket, [(page_hash, host_slot, hits), ...], host_pool)   # async, FIFO
+    store.poll()          # DiskPoll: tickets whose host slots are free again, pages now durable
+                          # (or failed, or skipped by admission), reloads done, pages dropped
+    store.lookup(hashes)  # leading pages present (index only, no slab I/O)
+    store.read(hashes, host_pool, host_slots)     # synchronous: per page ok
+    store.reload(ticket, hashes, host_pool, host_slots)   # the same on the reader thread
+    store.check(fix=False); store.stats(); store.close()
+
+Layout under ``root``: ``index/`` (LMDB, ``disk_index.py``), ``slabs/`` (one slab file per
+namespace, rank and payload, ``disk_format.py``, and a lock file per namespace and rank). The
+budget is split into equal slot counts per payload: a page takes slot ``s`` of every payload's
+slab. Cold start ``clear`` empties this rank's index entries (slabs of the right geometry are kept,
+others recreated); ``load`` keeps them, cross-checks each against its slot headers and frees what
+does not check out (``disk_audit.audit_group``).
+
+Every read is verified (header magic, format, kind, hash, length, header and payload CRC-32C) and
+then confirmed against the index; a page that fails is a counted miss and is dropped from the
+index, so the host pool never receives bytes that are not the page's own.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CapacityError, ConfigError, DiskStoreError
+from .disk_audit import INDEX_DIR, SLAB_DIR, GroupAudit, Problem, audit_group
+from .disk_buffers import Staging
+from .disk_config import (
+    DiskConfig,
+    DiskPoll,
+    DiskStats,
+    watermark_slots,
+)
+from .disk_events import (
+    POLL_S,
+    Counters,
+    Events,
+    RateLimitedLog,
+    ReloadDone,
+    SpillDone,
+    SpillJob,
+    log,
+)
+from .disk_format import (
+    ALIGN,
+    CRC32C_HARDWARE,
+    RankLock,
+    SlabFile,
+    SlabGeometry,
+    lock_path,
+    probe_direct_io,
+)
+from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, DiskIndex
+from .disk_read import PageReader
+from .disk_slots import SlotPool
+from .disk_spill import SpillPipeline
+from .host_pool import HostPool, mem_available_bytes
+from .page_hash import HASH_BYTES, Namespace
+
+# The store's configuration and results, importable from here as well.
+__all__ = ["DiskConfig", "DiskPoll", "DiskStats", "DiskStore", "ReloadDone", "SpillDone"]
+
+
+@dataclass(eq=False)
+class _ReloadJob:
+    ticket: int
+    hashes: list[bytes]
+    host_pool: HostPool
+    host_slots: list[int]
+
+
+class DiskStore:
+    """One rank's disk tier: preallocated slabs, the index, the spill and reload threads."""
+
+    def __init__(self, namespace: Namespace, rank: int, config: DiskConfig) -> None:
+        if not 0 <= rank < namespace.cp_size:
+            raise ConfigError(f"rank {rank} is outside [0, {namespace.cp_size}) (the cp_size)")
+        self.namespace, self.rank, self.config = namespace, rank, config
+        self._closed = True
+        self._warn = RateLimitedLog()
+        self.counters = Counters()
+        num_payloads = len(namespace.payloads)
+        self._payload_len = [namespace.payload_bytes(k) for k in range(num_payloads)]
+        geoms = [
+            SlabGeometry(namespace.digest, rank, k, num_payloads, p.name, self._payload_len[k], 1)
+            for k, p in enumerate(namespace.payloads)
+        ]
+        page_bytes = sum(g.slot_bytes for g in geoms)
+        num_slots = (config.budget_bytes - num_payloads * ALIGN) // page_bytes
+        self.high_slots, self.low_slots = watermark_slots(config, num_slots)
+        if self.low_slots < 1 or self.high_slots <= self.low_slots:
+            least = 1
+            while not 1 <= watermark_slots(config, least)[1] < watermark_slots(config, least)[0]:
+                least += 1
+            raise ConfigError(
+                f"a disk budget of {config.budget_bytes:,} bytes holds {max(num_slots, 0)} pages of "
+                f"{page_bytes:,} bytes, too few for the watermarks; give it at least "
+                f"{least * page_bytes + num_payloads * ALIGN:,} bytes ({least} pages)"
+            )
+        self.num_slots, self.page_bytes = num_slots, page_bytes
+        self._geoms = [
+            SlabGeometry(
+                g.namespace,
+                rank,
+                g.payload_kind,
+                num_payloads,
+                g.payload_name,
+                g.payload_len,
+                num_slots,
+            )
+            for g in geoms
+        ]
+        slab_dir = config.root / SLAB_DIR
+        try:
+            slab_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise DiskStoreError(
+                f"cannot create {slab_dir}: {err.strerror}; give the disk tier a writable directory"
+            ) from None
+        # The lock first: it is also the check that the directory is writable at all.
+        self._lock = RankLock(lock_path(slab_dir, namespace.digest, rank))
+        try:
+            self.io_mode = self._choose_io(slab_dir)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._slabs: list[SlabFile] = []
+        self._index: DiskIndex | None = None
+        try:
+            entries = num_slots * num_payloads * namespace.cp_size  # every rank's, at most
+            self._index = DiskIndex(config.root / INDEX_DIR, map_size=entries * MAP_BYTES_PER_ENTRY)
+            self._index.reserve(max(entries * RESERVE_BYTES_PER_ENTRY, 1 << 20))
+            self.pool = SlotPool(num_slots)
+            if config.start == "clear":
+                self._start_clear(slab_dir)
+            else:
+                self._start_load(slab_dir)
+            self._start_threads()
+        except BaseException:
+            self._release_files()
+            raise
+        self._closed = False
+
+    # -- start -----------------------------------------------------------------------------------
+
+    def _choose_io(self, slab_dir: Path) -> str:
+        if self.config.io_mode == "buffered":
+            return "buffered"
+        why = probe_direct_io(slab_dir)
+        if why is None:
+            return "direct"
+        if self.config.io_mode == "direct":
+            raise DiskStoreError(
+                f"O_DIRECT is unavailable in {slab_dir} ({why}); use a filesystem that supports "
+                "it or the buffered I/O mode"
+            )
+        log.warning(
+            "disk tier: O_DIRECT unavailable in %s (%s); using buffered I/O + fdatasync",
+            slab_dir,
+            why,
+        )
+        return "buffered"
+
+    def _check_room(self, slab_dir: Path, reuse: list[bool]) -> None:
+        need = sum(g.file_bytes for g, kept in zip(self._geoms, reuse, strict=True) if not kept)
+        st = os.statvfs(slab_dir)
+        have = st.f_bavail * st.f_frsize + sum(
+            (slab_dir / g.file_name()).stat().st_size
+            for g, kept in zip(self._geoms, reuse, strict=True)
+            if not kept and (slab_dir / g.file_name()).exists()
+        )
+        if need > have:
+            raise DiskStoreError(
+                f"the disk tier needs {need / 2**30:.2f} GiB in {slab_dir}, which has "
+                f"{have / 2**30:.2f} GiB free; lower the disk budget or free space"
+            )
+
+    def _start_clear(self, slab_dir: Path) -> None:
+        reuse = []
+        for g in self._geoms:
+            found, size = SlabFile.read_geometry(slab_dir / g.file_name())
+            reuse.append(found == g and size >= g.file_bytes)
+        self._check_room(slab_dir, reuse)
+        direct = self.io_mode == "direct"
+        for g, kept in zip(self._geoms, reuse, strict=True):
+            path = slab_dir / g.file_name()
+            self._slabs.append(
+                SlabFile(path, g, direct) if kept else SlabFile.create(path, g, direct)
+            )
+        assert self._index is not None
+        self._index.clear(self.namespace.digest, self.rank)
+
+    def _start_load(self, slab_dir: Path) -> None:
+        direct = self.io_mode == "direct"
+        exists = [(slab_dir / g.file_name()).exists() for g in self._geoms]
+        self._check_room(slab_dir, exists)
+        for g, found in zip(self._geoms, exists, strict=True):
+            path = slab_dir / g.file_name()
+            if found:
+                slab, truncated = SlabFile.open_existing(path, g, direct)
+                self.counters.add(load_truncated=int(truncated))
+            else:
+                slab = SlabFile.create(path, g, direct)
+            self._slabs.append(slab)
+        assert self._index is not None
+        audit = audit_group(
+            self._index, self.namespace.digest, self.rank, self._slabs, payload=False, fix=True
+        )
+        for problem in audit.problems[:20]:
+            log.warning("disk tier load: dropped %s", problem)
+        self.pool.rebuild(audit.pages)
+        self.counters.add(load_pages=len(audit.pages), load_dropped=len(audit.problems))
+
+    def _start_threads(self) -> None:
+        cfg = self.config
+        num_blocks = max(2, cfg.staging_bytes // self.page_bytes)
+        need = (num_blocks + 2 * cfg.read_threads) * self.page_bytes
+        available = mem_available_bytes()
+        if available is not None and need > available:
+            raise CapacityError(
+                f"the disk tier's staging and read buffers take {need / 2**30:.2f} GiB, more "
+                f"than the {available / 2**30:.2f} GiB available; lower staging_bytes or "
+                "read_threads"
+            )
+        self._events = Events()
+        self._state_lock = threading.Lock()
+        staging = Staging([g.slot_bytes for g in self._geoms], num_blocks)
+        assert self._index is not None
+        self._spill = SpillPipeline(
+            self.namespace,
+            self.rank,
+            self._slabs,
+            self._index,
+            self.pool,
+            self._state_lock,
+            self.counters,
+            self._events,
+            staging,
+            self.high_slots,
+            self.low_slots,
+            cfg.max_tickets,
+            self._warn,
+            write_threads=cfg.write_threads,
+            io_timeout_s=cfg.io_timeout_s,
+        )
+        self._reader = PageReader(
+            self.namespace,
+            self.rank,
+            self._slabs,
+            self._index,
+            self.counters,
+            self._warn,
+            drop=lambda h, slot: self._spill.send("drop", h, slot),
+            touch=self.touch,
+            read_threads=cfg.read_threads,
+            io_timeout_s=cfg.io_timeout_s,
+        )
+        self._reloads: queue.Queue[_ReloadJob] = queue.Queue(maxsize=cfg.max_tickets)
+        self._reload_thread = threading.Thread(
+            target=self._spill._guard,
+            args=(self._reload_loop,),
+            name="kvstrata-l3-reload",
+            daemon=True,
+        )
+        self._reload_thread.start()
+        self._open_tickets = 0  # submitted and not yet returned by poll()
+
+    # -- spill -----------------------------------------------------------------------------------
+
+    def _check_host_pool(self, host_pool: HostPool, host_slots: Sequence[int]) -> None:
+        if (
+            host_pool.layout != self.namespace.layout
+            or host_pool.page_size != self.namespace.page_size
+        ):
+            raise ConfigError(
+                "the host pool's layout or page size differs from the disk namespace's: "
+                f"{host_pool.layout} / {host_pool.page_size} vs {self.namespace.layout} / "
+                f"{self.namespace.page_size}"
+            )
+        bad = [s for s in host_slots if not 0 <= s < host_pool.num_slots]
+        if bad:
+            raise ConfigError(f"host slots {bad[:5]} are outside [0, {host_pool.num_slots})")
+
+    @staticmethod
+    def _check_hashes(page_hashes: Sequence[bytes]) -> None:
+        bad = [h for h in page_hashes if not isinstance(h, bytes) or len(h) != HASH_BYTES]
+        if bad:
+            raise ConfigError(
+                f"page hashes are {HASH_BYTES} bytes (page_hash.page_hashes), got {bad[0]!r}"
+            )
+
+    def _take_ticket(self) -> bool:
+        with self._events.cond:
+            if self._closed or self._open_tickets >= self.config.max_tickets:
+                return False
+            self._open_tickets += 1
+            self._events.running += 1
+            return True
+
+    def spill(
+        self, ticket: int, pages: Sequence[tuple[bytes, int, int]], host_pool: HostPool
+    ) -> bool:
+        """Spill ``(page hash, host slot, hits)`` pages in this order, asynchronously.
+
+        Returns False when refused (``max_tickets`` in flight, or closed): nothing was queued and
+        the host slots are the caller's again. Otherwise ``poll()`` reports the ticket twice:
+        in ``released`` once the host slots are copied (keep them pinned until then), and in
+        ``spilled`` when every page is durable, failed, or skipped (hits < ``min_hits``).
+        """
+        self._raise_crash()
+        self._check_hashes([h for h, _, _ in pages])
+        self._check_host_pool(host_pool, [slot for _, slot, _ in pages])
+        if not self._take_ticket():
+            self.counters.add(spills_refused=1)
+            return False
+        admit = [(h, slot) for h, slot, hits in pages if hits >= self.config.min_hits]
+        skipped = [h for h, _, hits in pages if hits < self.config.min_hits]
+        self.counters.add(spills=1, skipped_admission=len(skipped))
+        job = SpillJob(ticket, admit, host_pool, skipped)
+        ok = self._spill.submit(job)
+        assert ok, "the job queue holds max_tickets, as many as may be open"
+        return True
+
+    def poll(self) -> DiskPoll:
+        """Completions since the last call (non-blocking). Raises only if a store thread hit a
+        bug; I/O failures are counted and reported in the result."""
+        self._raise_crash()
+        ev = self._events
+        with ev.cond:
+            out = DiskPoll(
+                tuple(ev.released), tuple(ev.spilled), tuple(ev.reloaded), tuple(ev.dropped)
+            )
+            ev.released.clear()
+            ev.spilled.clear()
+            ev.reloaded.clear()
+            ev.dropped.clear()
+            self._open_tickets -= len(out.spilled) + len(out.reloaded)
+        return out
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every accepted spill and reload finished; False if ``timeout_s`` ran out."""
+        ev = self._events
+        with ev.cond:  # a crashed thread finishes nothing more: no use waiting for it
+            ev.cond.wait_for(lambda: ev.running == 0 or self._spill.crash is not None, timeout_s)
+            return ev.running == 0
+
+    def _raise_crash(self) -> None:
+        if not self._closed and self._spill.crash is not None:
+            raise self._spill.crash
+
+    # -- lookup and read -------------------------------------------------------------------------
+
+    def lookup(self, page_hashes: Sequence[bytes]) -> int:
+        """How many of ``page_hashes``, from the first, have every payload on disk (index only;
+        0 once closed)."""
+        self._check_hashes(page_hashes)
+        if self._closed or self._index is None:
+            return 0
+        return self._index.leading(self.namespace.digest, self.rank, page_hashes, len(self._slabs))
+
+    def touch(self, page_hashes: Sequence[bytes]) -> None:
+        """Mark pages recently used (for GC); best effort."""
+        for h in page_hashes:
+            if not self._spill.send("touch", h):
+                self.counters.add(touches_dropped=1)
+
+    def read(
+        self, page_hashes: Sequence[bytes], host_pool: HostPool, host_slots: Sequence[int]
+    ) -> list[bool]:
+        """Read pages into ``host_slots`` of ``host_pool``, verified; ``ok[i]`` per page.
+
+        ``ok[i]`` is True exactly when host slot ``i`` now holds page ``i``, verified. Reading
+        stops at the first page that is absent or fails verification (the prefix past it is
+        unusable), so later pages are False unless they were read alongside it; a failed page is
+        counted and dropped from the index. A page is copied to its host slot only after it
+        verified, so a False page leaves its slot as it was.
+        """
+        if len(page_hashes) != len(host_slots):
+            raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
+        self._check_hashes(page_hashes)
+        self._check_host_pool(host_pool, host_slots)
+        if self._closed:
+            return [False] * len(page_hashes)
+        return self._reader.read(page_hashes, host_pool, host_slots)
+
+    def reload(
+        self,
+        ticket: int,
+        page_hashes: Sequence[bytes],
+        host_pool: HostPool,
+        host_slots: Sequence[int],
+    ) -> bool:
+        """:meth:`read` on the reader thread; ``poll()`` reports ``ReloadDone(ticket, ok)``.
+        Returns False when refused (``max_tickets`` in flight, or closed)."""
+        self._raise_crash()
+        if len(page_hashes) != len(host_slots):
+            raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
+        self._check_hashes(page_hashes)
+        self._check_host_pool(host_pool, host_slots)
+        if not self._take_ticket():
+            return False
+        self.counters.add(reloads=1)
+        self._reloads.put_nowait(_ReloadJob(ticket, list(page_hashes), host_pool, list(host_slots)))
+        return True
+
+    def _reload_loop(self) -> None:
+        while True:
+            try:
+                job = self._reloads.get(timeout=POLL_S)
+            except queue.Empty:
+                if self._spill.stop.is_set():
+                    return
+                continue
+            ok = (
+                self.read(job.hashes, job.host_pool, job.host_slots)
+                if not self._spill.stop.is_set()
+                else [False] * len(job.hashes)
+            )
+            self._events.reload_done(ReloadDone(job.ticket, tuple(ok)))
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def stats(self) -> DiskStats:
+        return DiskStats(
+            io_mode=self.io_mode,
+            crc32c_hardware=CRC32C_HARDWARE,
+            num_slots=self.num_slots,
+            used_slots=self.pool.num_used,
+            high_slots=self.high_slots,
+            low_slots=self.low_slots,
+            page_bytes=self.page_bytes,
+            counters=self.counters.snapshot(),
+        )
+
+    def check(self, fix: bool = False, payload: bool = True) -> list[Problem]:
+        """Audit this rank's slabs and index entries against each other and against the slot
+        pool (the spill threads wait meanwhile); with ``fix``, drop what does not check out.
+        Returns the problems found (empty when clean). Raises ``PoolInvariantError`` when the
+        slot pool's own invariants are broken (a bug)."""
+        assert self._index is not None
+        with self._state_lock:
+            self.pool.check()
+            audit: GroupAudit = audit_group(
+                self._index, self.namespace.digest, self.rank, self._slabs, payload=payload, fix=fix
+            )
+            problems = list(audit.problems)
+            on_disk = {h: slot for h, slot, _ in audit.pages}
+            live = {h: slot for h, slot, _ in self.pool.live()}
+            where = f"ns {self.namespace.short} rank {self.rank}"
+            for h, slot in live.items():
+                if on_disk.get(h) != slot:
+                    problems.append(
+                        Problem(
+                            "live-not-indexed",
+                            f"{where} page {h.hex()[:16]}",
+                            f"slot {slot} is live but its page does not check out",
+                        )
+                    )
+                    if fix:
+                        self._index.delete_pages(
+                            self.namespace.digest, [h], len(self._slabs), rank=self.rank
+                        )
+                        self.pool.remove(h)
+            for h, slot in on_disk.items():
+                if h not in live:
+                    problems.append(
+                        Problem(
+                            "indexed-not-live",
+                            f"{where} page {h.hex()[:16]}",
+                            f"the index names slot {slot}, which the store does not hold live",
+                        )
+                    )
+                    if fix:
+                        self._index.delete_pages(
+                            self.namespace.digest, [h], len(self._slabs), rank=self.rank
+                        )
+            self.pool.check()
+        return problems
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Finish accepted spills and reloads (up to ``timeout_s``), stop the threads, close
+        the files. Idempotent."""
+        if self._closed:
+            return
+        if not self.flush(timeout_s):
+            log.warning(
+                "disk tier: closing with spills or reloads still running after %s s", timeout_s
+            )
+        with self._events.cond:
+            self._closed = True
+        self._spill.stop.set()
+        for t in [*self._spill.threads, self._reload_thread]:
+            t.join(timeout=timeout_s)
+            if t.is_alive():
+                log.warning("disk tier: thread %s did not stop within %s s", t.name, timeout_s)
+        self._reader.close()
+        self._spill.shutdown()
+        self._release_files()
+
+    def _release_files(self) -> None:
+        for slab in self._slabs:
+            slab.close()
+        self._slabs = []
+        if self._index is not None:
+            self._index.close()
+        self._lock.release()
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

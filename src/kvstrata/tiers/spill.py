@@ -1,0 +1,206 @@
+"""Spill to and reload from the disk tier (L3), driving the tree (docs/design.md, "Tiers and
+movement": spill, reload).
+
+* **Spill.** When a backup commits, its host pages are handed to the
+  :class:`~kvstrata.tiers.disk_store.DiskStore` under their content addresses (prefix-chained page
+  hashes), in commit order. The node that holds them is host-locked until the store has gathered
+  them into its staging memory, so L2 eviction cannot reuse a page the store is still reading.
+* **Reload.** A request whose prefix the tree misses looks the missing pages up in the disk index;
+  the leading pages found get host pages, are read and verified on the store's reader thread, and
+  become a host-only node; the request waits meanwhile (others pass it), then loads them back to
+  the device as any host hit.
+
+Both are tickets of the engine's ledger: a spill takes effect (its host lock is released) and a
+reload is inserted only when the commit frontier covers it, so every rank changes its tree at the
+same step. A page that fails verification is a miss: the reload keeps the leading run of verified
+pages and frees the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from ..cache.allocator import PageAllocator
+from ..cache.keys import TokenKey
+from ..cache.radix import Node, RadixTree
+from ..ownership import owners
+from ..residency import Tier
+from .disk_store import DiskStore
+from .host_pool import HostPool
+from .tickets import TicketKind, TicketLedger
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass
+class DiskStatsView:
+    """What the engine did with the disk tier (the store keeps its own I/O counters)."""
+
+    spills: int = 0
+    spilled_pages: int = 0
+    spills_refused: int = 0
+    reloads: int = 0
+    reloaded_pages: int = 0
+    reload_misses: int = 0  # pages the index had but that did not read back verified
+    hit_tokens: int = 0  # tokens requests got from disk (then loaded back like host hits)
+
+
+@dataclass
+class _Reload:
+    key: TokenKey  # the prefix: cached part plus the pages asked for
+    cached_len: int
+    host_pages: IntArray
+    parent: Node  # host-locked until the reload is inserted
+    rid: int
+    ok: tuple[bool, ...] = ()
+
+
+@dataclass
+class DiskTier:
+    """Spills committed host pages and reloads missed ones for one rank."""
+
+    tree: RadixTree
+    host_allocator: PageAllocator
+    host_pool: HostPool
+    store: DiskStore
+    ledger: TicketLedger
+    rank: int = 0
+    stats: DiskStatsView = field(default_factory=DiskStatsView)
+    _spills: dict[int, Node] = field(default_factory=dict)  # ledger ticket -> host-locked node
+    _reloads: dict[int, _Reload] = field(default_factory=dict)
+
+    # -- spill -----------------------------------------------------------------------------------
+
+    def spill(self, node: Node, hashes: list[bytes], host_pages: IntArray, hits: int) -> None:
+        """Hand committed host pages (``hashes[i]`` is the address of ``host_pages[i]``) to the
+        store; ``node`` (the lowest node holding them) stays host-locked until they are read."""
+        if node.dead or not node.on_host:
+            return
+        ticket = self.ledger.issue(TicketKind.SPILL)
+        cp = self.tree.cp_size
+        own = host_pages % cp == self.rank
+        pages = [
+            (h, int(p) // cp, hits) for h, p, o in zip(hashes, host_pages, own, strict=True) if o
+        ]
+        if not self.store.spill(ticket, pages, self.host_pool):
+            self.stats.spills_refused += 1
+            self.ledger.finish(ticket, ok=False, error="the disk store refused the spill")
+            return
+        self.tree.host_lock(node)
+        self._spills[ticket] = node
+        self.stats.spills += 1
+
+    # -- reload ----------------------------------------------------------------------------------
+
+    def try_reload(
+        self,
+        key: TokenKey,
+        hashes: list[bytes],
+        cached_len: int,
+        limit: int,
+        parent: Node,
+        rid: int,
+    ) -> int | None:
+        """Start reloading the pages after ``cached_len`` tokens that the disk holds (at most up
+        to ``limit`` tokens). Returns the reload's ticket, or None when there is nothing to read
+        or no host room (then the request simply computes)."""
+        P = self.tree.page_size
+        first, last = cached_len // P, limit // P
+        if last <= first or (parent is not self.tree.root and not parent.on_host):
+            return None
+        count = self.store.lookup(hashes[first:last])
+        if count == 0:
+            return None
+        alloc, tree = self.host_allocator, self.tree
+        locked = parent is not tree.root  # its host copy must outlive the reload
+        if locked:
+            tree.host_lock(parent)
+        want = owners(first, count, alloc.cp_size)
+        host_pages = alloc.alloc_pages_with_owners(want)
+        if host_pages is None:
+            alloc.free(tree.evict(alloc.deficit(want), Tier.L2))
+            host_pages = alloc.alloc_pages_with_owners(want)
+        if host_pages is None:
+            if locked:
+                tree.host_unlock(parent)
+            return None
+        ticket = self.ledger.issue(TicketKind.RELOAD)
+        cp = self.tree.cp_size
+        own = host_pages % cp == self.rank
+        mine = [h for h, o in zip(hashes[first : first + count], own, strict=True) if o]
+        self._reloads[ticket] = _Reload(
+            key.prefix((first + count) * P), cached_len, host_pages, parent, rid
+        )
+        if not self.store.reload(ticket, mine, self.host_pool, host_pages[own] // cp):
+            self.ledger.finish(ticket, ok=False, error="the disk store refused the reload")
+        return ticket
+
+    # -- progress and the frontier ---------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Route the store's news to the ledger: gathered spills, finished reloads."""
+        news = self.store.poll()
+        for ticket in news.released:
+            if ticket in self._spills:
+                self.ledger.finish(ticket, ok=True)
+        for spilled in news.spilled:
+            self.stats.spilled_pages += len(spilled.durable)
+        for reloaded in news.reloaded:
+            rec = self._reloads.get(reloaded.ticket)
+            if rec is not None:
+                rec.ok = reloaded.ok
+                self.ledger.finish(reloaded.ticket, ok=True)
+
+    def settle_spill(self, ticket: int) -> None:
+        node = self._spills.pop(ticket, None)
+        if node is not None:
+            self.tree.host_unlock(node)
+
+    def settle_reload(self, ticket: int, ok: bool) -> tuple[int, int] | None:
+        """Insert what a reload verified as a host-only node; returns ``(rid, tokens)`` it
+        brought, or None when nothing came back."""
+        rec = self._reloads.pop(ticket)
+        tree, P = self.tree, self.tree.page_size
+        if rec.parent is not tree.root:
+            tree.host_unlock(rec.parent)
+        verified = 0
+        if ok:
+            for (
+                good
+            ) in rec.ok:  # this rank's pages, in order; under CP ranks agree via the frontier
+                if not good:
+                    break
+                verified += 1
+        cp = tree.cp_size
+        own = np.flatnonzero(rec.host_pages % cp == self.rank)
+        keep = (
+            rec.host_pages.size if verified >= own.size else int(own[verified]) if own.size else 0
+        )
+        self.stats.reloads += 1
+        self.stats.reload_misses += rec.host_pages.size - keep
+        # The tree must still hold exactly the cached part (nothing lost, nothing added since).
+        if keep == 0 or tree.match_length(rec.key) != rec.cached_len:
+            self.host_allocator.free(rec.host_pages)
+            return None
+        self.host_allocator.free(rec.host_pages[keep:])
+        tree.insert_host(rec.key.prefix(rec.cached_len + keep * P), rec.host_pages[:keep],
+                         rec.cached_len)  # fmt: skip
+        self.stats.reloaded_pages += keep
+        return rec.rid, keep * P
+
+    @property
+    def held_pages(self) -> int:
+        """Host pages reserved for reloads in flight."""
+        return sum(r.host_pages.size for r in self._reloads.values())
+
+    @property
+    def host_locks(self) -> int:
+        return len(self._spills) + sum(
+            1 for r in self._reloads.values() if r.parent is not self.tree.root
+        )
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,34 @@
+"""``kvstrata bench disk``: a small run verifies every byte and ends in its JSON line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvstrata.cli import main
+
+
+def test_a_small_run_round_trips_and_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "disk", "--dir", str(tmp_path), "--gib", "0.004", "--layers", "2"]
+    argv += ["--kv-heads", "2", "--head-dim", "16", "--page-size", "16", "--repeat", "2"]
+    argv += ["--io-mode", "buffered", "--ticket-pages", "5", "--read-pages", "7"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    doc = json.loads(lines[-1])
+    assert doc["bench"] == "disk" and doc["verified"] and doc["io_mode"] == "buffered"
+    page_bytes = 16 * 2 * 2 * (2 * 16 * 2)  # tokens x layers x (K, V) x (heads x dim x bf16)
+    assert doc["page_bytes"] == page_bytes and doc["pages"] == int(0.004 * 2**30) // page_bytes
+    assert len(doc["rounds_gbps"]["spill"]) == 2 and doc["spill_gbps"] > 0
+    assert doc["write_errors"] == doc["verify_failures"] == 0
+    assert any(line.startswith("reload") for line in lines)
+    assert list(tmp_path.iterdir()) == []  # the scratch directory is gone
+
+
+def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "disk", "--dir", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["bench", "disk", "--dir", str(tmp_path), "--gib", "0"]) == 2

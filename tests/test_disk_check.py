@@ -1,0 +1,193 @@
+"""Tests for ``kvstrata disk check`` (kvstrata.tiers.disk_audit): every inconsistency is named,
+--fix repairs it, the exit status says whether the directory is clean."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from disk_rig import NS, hashes, host_pool, open_store, spill_all
+
+from kvstrata.cli import main
+from kvstrata.tiers import disk_format
+from kvstrata.tiers.disk_audit import audit_directory
+from kvstrata.tiers.disk_format import SLOT_HEADER_BYTES, SlabGeometry
+from kvstrata.tiers.disk_index import DiskIndex, encode_key
+
+PAGES = hashes(6)
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    """A clean directory: six pages of NS, rank 0, in a 20-page store."""
+    with open_store(tmp_path, pages=20) as store:
+        spill_all(store, host_pool(), PAGES, ticket=1)
+    return tmp_path
+
+
+def _slab(root: Path, kind: int) -> tuple[Path, SlabGeometry]:
+    (path,) = (root / "slabs").glob(f"*-r0-{kind}-*.slab")
+    geom, _ = disk_format.SlabFile.read_geometry(path)
+    assert isinstance(geom, SlabGeometry)
+    return path, geom
+
+
+def _slot_of(root: Path, page: bytes) -> int:
+    index = DiskIndex(root / "index")
+    with index.read() as txn:
+        entry = index.page(txn, NS.digest, 0, page, 3)
+    index.close()
+    assert entry is not None
+    return entry.slot
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ 1]))
+
+
+def _payload_bit(root: Path) -> None:
+    path, geom = _slab(root, 1)
+    _flip(path, geom.slot_offset(_slot_of(root, PAGES[2])) + SLOT_HEADER_BYTES + 5)
+
+
+def _header_bit(root: Path) -> None:
+    path, geom = _slab(root, 0)
+    _flip(path, geom.slot_offset(_slot_of(root, PAGES[2])) + 20)
+
+
+def _put(root: Path, entries: list[tuple[bytes, int, int]], rank: int = 0) -> None:
+    """Raw entries ``(page, kind, slot)``."""
+    index = DiskIndex(root / "index")
+    with index.env.begin(write=True, db=index._pages) as txn:
+        for page, kind, slot in entries:
+            txn.put(encode_key(NS.digest, page, kind), struct.pack("<IQQ", rank, slot, 1))
+    index.close()
+
+
+def _past_slab(root: Path) -> None:
+    _put(root, [(PAGES[0], k, 500) for k in range(3)])
+
+
+def _incomplete(root: Path) -> None:
+    index = DiskIndex(root / "index")
+    index.delete_keys([encode_key(NS.digest, PAGES[1], 2)])
+    index.close()
+
+
+def _slot_mismatch(root: Path) -> None:
+    _put(root, [(PAGES[1], 1, 15)])
+
+
+def _slot_shared(root: Path) -> None:
+    slot = _slot_of(root, PAGES[3])
+    _put(root, [(hashes(1, seed=5)[0], k, slot) for k in range(3)])
+
+
+def _truncated(root: Path) -> None:
+    path, geom = _slab(root, 2)
+    os.truncate(path, geom.slot_offset(_slot_of(root, PAGES[5])) + 10)
+
+
+def _foreign_version(root: Path) -> None:
+    path, _ = _slab(root, 1)
+    raw = bytearray(path.read_bytes()[:4096])
+    struct.pack_into("<H", raw, 8, 7)
+    head = disk_format._SUPER_HEAD.size
+    struct.pack_into("<I", raw, head, disk_format.crc32c(bytes(raw[:head])))
+    with open(path, "r+b") as f:
+        f.write(raw)
+
+
+def _missing_slab(root: Path) -> None:
+    _slab(root, 2)[0].unlink()
+
+
+def _orphan_rank(root: Path) -> None:
+    _put(root, [(hashes(1, seed=8)[0], k, 0) for k in range(3)], rank=3)
+
+
+def _malformed(root: Path) -> None:
+    index = DiskIndex(root / "index")
+    with index.env.begin(write=True, db=index._pages) as txn:
+        txn.put(b"short key", b"value")
+    index.close()
+
+
+CASES: dict[str, tuple[Callable[[Path], None], set[str], int]] = {
+    # name: (corruption, problem kinds reported, pages that check out after --fix)
+    "payload-bit": (_payload_bit, {"bad-slot"}, 5),
+    "header-bit": (_header_bit, {"bad-slot"}, 5),
+    "past-slab": (_past_slab, {"past-slab"}, 5),
+    "incomplete": (_incomplete, {"page-incomplete"}, 5),
+    "slot-mismatch": (_slot_mismatch, {"slot-mismatch"}, 5),
+    "slot-shared": (_slot_shared, {"slot-shared"}, 6),
+    "truncated": (_truncated, {"slab-truncated", "bad-slot"}, 5),
+    "foreign-version": (
+        _foreign_version,
+        {"slab-superblock", "group-incomplete", "entry-orphan"},
+        0,
+    ),
+    "missing-slab": (_missing_slab, {"group-incomplete", "entry-orphan"}, 0),
+    "orphan-rank": (_orphan_rank, {"entry-orphan"}, 6),
+    "malformed": (_malformed, {"entry-malformed"}, 6),
+}
+
+
+def test_a_clean_directory(store_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["disk", "check", str(store_dir), "--json"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].endswith("CLEAN")
+    doc = json.loads(out[-1])
+    assert doc["clean"] and doc["problems"] == [] and doc["groups"][0]["pages"] == 6
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_inconsistency_is_reported_and_fixed(
+    store_dir: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corrupt, kinds, left = CASES[case]
+    corrupt(store_dir)
+    assert main(["disk", "check", str(store_dir), "--json"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert "DIRTY" in out[-2]
+    assert {p["kind"] for p in json.loads(out[-1])["problems"]} == kinds
+    assert main(["disk", "check", str(store_dir), "--fix"]) == 0
+    assert "FIXED" in capsys.readouterr().out
+    assert main(["disk", "check", str(store_dir)]) == 0
+    report = audit_directory(store_dir)
+    assert report.clean and sum(len(g.pages) for g in report.groups) == left
+    with open_store(store_dir, pages=20, start="load") as store:  # and a store can use it
+        assert store.stats().load_dropped == 0 and store.stats().used_slots == left
+        spill_all(store, host_pool(), PAGES, ticket=2)
+        assert store.check() == []
+
+
+def test_quick_checks_headers_only(store_dir: Path) -> None:
+    _payload_bit(store_dir)
+    assert main(["disk", "check", str(store_dir), "--quick"]) == 0
+    assert main(["disk", "check", str(store_dir)]) == 1
+    _header_bit(store_dir)
+    assert main(["disk", "check", str(store_dir), "--quick"]) == 1
+
+
+def test_bad_input_and_a_running_store_exit_2(
+    tmp_path: Path, store_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["disk", "check", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvstrata disk: error:")
+    assert "not a kvstrata disk directory" in err[0]
+    with open_store(store_dir, pages=20, start="load"):
+        assert main(["disk", "check", str(store_dir)]) == 2
+        assert "in use by another process" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["disk", "check"])
+    assert exit_info.value.code == 2

@@ -1,0 +1,157 @@
+"""Tests for kvstrata.tiers.disk_format and disk_slots: headers, superblocks, slab I/O, slots."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstrata.errors import DiskFormatError, PoolInvariantError
+from kvstrata.tiers.disk_format import (
+    ALIGN,
+    SLOT_HEADER_BYTES,
+    SlabFile,
+    SlabGeometry,
+    SlotHeader,
+    aligned_buffer,
+    check_slot,
+    crc32c,
+    probe_direct_io,
+)
+from kvstrata.tiers.disk_slots import SlotPool
+
+GEOM = SlabGeometry(b"N" * 32, 1, 0, 2, "k", 5000, 6)
+HASH = bytes(range(32))
+
+
+def _slot(payload: bytes, page_hash: bytes = HASH, kind: int = 0) -> bytearray:
+    buf = bytearray(GEOM.slot_bytes)
+    buf[SLOT_HEADER_BYTES : SLOT_HEADER_BYTES + len(payload)] = payload
+    SlotHeader(kind, page_hash, len(payload), crc32c(payload)).pack_into(memoryview(buf))
+    return buf
+
+
+def test_crc32c_is_castagnoli() -> None:
+    assert crc32c(b"123456789") == 0xE3069283  # the standard check value (RFC 3720)
+    assert crc32c(b"6789", crc32c(b"12345")) == crc32c(b"123456789")
+
+
+def test_slot_round_trip_and_every_header_bit_flip_is_caught() -> None:
+    payload = random.Random(0).randbytes(GEOM.payload_len)
+    buf = _slot(payload)
+    assert GEOM.slot_bytes % ALIGN == 0 and GEOM.slot_bytes >= SLOT_HEADER_BYTES + 5000
+    assert check_slot(memoryview(buf), 0, HASH, 5000) is None
+    assert check_slot(memoryview(buf), 1, HASH, 5000) == "payload kind 0, not 1"
+    assert check_slot(memoryview(buf), 0, bytes(32), 5000) == "the slot holds another page"
+    assert check_slot(memoryview(buf), 0, HASH, 4999) == "payload length 5000, not 4999"
+    for bit in range(SLOT_HEADER_BYTES * 8):
+        bad = bytearray(buf)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        assert check_slot(memoryview(bad), 0, HASH, 5000) is not None, bit
+    assert check_slot(memoryview(bytearray(GEOM.slot_bytes)), 0, HASH, 5000) is not None
+    assert "short read" in str(check_slot(memoryview(buf)[:100], 0, HASH, 5000))
+
+
+@settings(max_examples=200, deadline=None)
+@given(bit=st.integers(0, 5000 * 8 - 1))
+def test_every_payload_bit_flip_is_caught(bit: int) -> None:
+    payload = bytearray(random.Random(1).randbytes(5000))
+    buf = _slot(bytes(payload))
+    buf[SLOT_HEADER_BYTES + bit // 8] ^= 1 << (bit % 8)
+    assert check_slot(memoryview(buf), 0, HASH, 5000) == "payload CRC mismatch"
+    assert check_slot(memoryview(buf), 0, HASH, 5000, payload=False) is None
+
+
+def test_superblock_round_trip_and_corruption() -> None:
+    raw = GEOM.encode()
+    assert len(raw) == ALIGN and SlabGeometry.decode(raw) == GEOM
+    for at in (0, 9, 12, 60, 100):  # magic, version, rank, namespace, geometry
+        bad = bytearray(raw)
+        bad[at] ^= 0x10
+        assert isinstance(SlabGeometry.decode(bytes(bad)), str), at
+    assert GEOM.file_name() == f"{(b'N' * 32).hex()[:16]}-r1-0-k.slab"
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_slab_file_writes_and_reads_slots(tmp_path: Path, direct: bool) -> None:
+    if direct and probe_direct_io(tmp_path) is not None:
+        pytest.skip(f"no O_DIRECT in {tmp_path}")
+    path = tmp_path / GEOM.file_name()
+    slab = SlabFile.create(path, GEOM, direct)
+    assert path.stat().st_size == GEOM.file_bytes
+    buf = aligned_buffer(GEOM.slot_bytes)
+    for slot in (0, 5, 2):
+        buf[:] = _slot(bytes([slot]) * 5000)
+        slab.write_slot(slot, memoryview(buf))
+    slab.sync()
+    out = aligned_buffer(GEOM.slot_bytes)
+    for slot in (5, 2, 0):
+        assert slab.read_slot(slot, memoryview(out)) == GEOM.slot_bytes
+        assert check_slot(memoryview(out), 0, HASH, 5000) is None
+        assert out[SLOT_HEADER_BYTES] == slot
+    slab.close()
+    reopened, truncated = SlabFile.open_existing(path, GEOM, direct)
+    assert not truncated
+    reopened.close()
+    os.truncate(path, GEOM.slot_offset(3) + 100)  # cut inside slot 3
+    reopened, truncated = SlabFile.open_existing(path, GEOM, direct)
+    assert truncated and path.stat().st_size == GEOM.file_bytes
+    reopened.close()
+    other = SlabGeometry(GEOM.namespace, 1, 0, 2, "k", 5000, 7)
+    with pytest.raises(DiskFormatError, match="holds 6 slots"):
+        SlabFile.open_existing(path, other, direct)
+
+
+def test_slot_pool_states_and_lru() -> None:
+    pool = SlotPool(4)
+    a = pool.alloc()
+    b = pool.alloc()
+    assert (a, b) == (0, 1) and pool.num_used == 2 and pool.num_live == 0
+    pool.publish(b"a", a)
+    pool.publish(b"b", b)
+    pool.release(pool.alloc() or 0)
+    pool.touch(b"a")
+    assert pool.coldest(1) == [(b"b", 1)] and pool.slot_of(b"a") == 0
+    assert pool.remove(b"b") == 1 and pool.num_free == 3
+    pool.check()
+    pool._free.append(0)  # the slot live page a holds, also on the free list
+    with pytest.raises(PoolInvariantError, match="handed out twice"):
+        pool.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("aptrx"), st.integers(0, 9)), max_size=80))
+def test_slot_pool_against_a_reference(ops: list[tuple[str, int]]) -> None:
+    """Random alloc / publish / touch / remove / release against a list-based LRU."""
+    pool, writing, lru = SlotPool(5), [], []  # lru: hashes, coldest first
+    slots: dict[bytes, int] = {}
+    for op, n in ops:
+        h = bytes([n])
+        if op == "a":
+            slot = pool.alloc()
+            assert (slot is None) == (len(writing) + len(lru) == 5)
+            if slot is not None:
+                writing.append(slot)
+        elif op == "p" and writing and h not in slots:
+            slots[h] = writing.pop()
+            pool.publish(h, slots[h])
+            lru.append(h)
+        elif op == "t" and h in slots:
+            pool.touch(h)
+            lru.remove(h)
+            lru.append(h)
+        elif op == "r" and h in slots:
+            assert pool.remove(h) == slots.pop(h)
+            lru.remove(h)
+        elif op == "x" and writing:
+            pool.release(writing.pop())
+        pool.check()
+        assert [h for h, _ in pool.coldest(10)] == lru
+    pool2 = SlotPool(5)
+    pool2.rebuild(pool.live())
+    pool2.check()
+    assert pool2.coldest(10) == pool.coldest(10) and pool2.num_used == len(lru)

@@ -1,0 +1,113 @@
+"""The disk tier (L3) in the engine: committed host pages spill, misses reload, verified bytes
+only, and a second process started with ``load`` hits from disk on its first request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvstrata.engine import Engine, EngineConfig, Finished
+from kvstrata.errors import ConfigError
+from kvstrata.model.compute import ModelCompute, SyntheticCompute, synthetic_payload
+from kvstrata.model.loader import load_model
+from kvstrata.replay import recompute_uncached
+from kvstrata.residency import Tier
+from kvstrata.workloads import Request, builtin
+
+
+def run_all(engine: Engine, requests: list[Request]) -> dict[int, Finished]:
+    for r in requests:
+        engine.add(r)
+    out: dict[int, Finished] = {}
+    for _ in range(100_000):
+        if not engine.has_work():
+            break
+        for f in engine.step():
+            out[f.rid] = f
+        engine.check()
+    assert not engine.has_work()
+    engine.drain()
+    engine.check()
+    return out
+
+
+def config(tmp: Path, start: str = "clear", **kw: object) -> EngineConfig:
+    base = {
+        "page_size": 16,
+        "pool_tokens": 640,
+        "chunk_size": 64,
+        "max_batch_tokens": 128,
+        "max_batch_requests": 4,
+        "l2_tokens": 640,
+        "l3_dir": str(tmp / "l3"),
+        "l3_gib": 0.05,
+        "l3_start": start,
+        **kw,
+    }
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+def test_small_l1_and_l2_hit_from_disk_with_exact_bytes(tmp_path: Path) -> None:
+    requests = builtin(1000, seed=11, n_requests=80)
+    engine = Engine(SyntheticCompute(8, 1000), config(tmp_path), model_id="none:8")
+    engine.keep_logits = {r.rid for r in requests}
+    try:
+        out = run_all(engine, requests)
+    finally:
+        engine.close()
+    assert engine.hit_tokens[Tier.L3] > 0
+    assert engine.disk is not None and engine.disk.stats.spilled_pages > 0
+    for r in requests:
+        f = out[r.rid]
+        assert f.error is None
+        expected = synthetic_payload(torch.from_numpy(r.tokens.astype(np.int64)), 8)
+        assert f.payload is not None and torch.equal(f.payload, expected), r.rid
+
+
+def test_a_second_process_with_load_hits_from_disk_at_once(tmp_path: Path) -> None:
+    prompt = np.arange(1, 401, dtype=np.uint32)
+    first = Engine(SyntheticCompute(8, 1000), config(tmp_path), model_id="none:8")
+    try:
+        run_all(first, [Request(0, prompt)])
+    finally:
+        first.close()
+    second = Engine(SyntheticCompute(8, 1000), config(tmp_path, "load"), model_id="none:8")
+    second.keep_logits = {1}
+    try:
+        out = run_all(second, [Request(1, np.concatenate([prompt, [7, 8, 9]]).astype(np.uint32))])
+    finally:
+        second.close()
+    assert out[1].cached_len == 400 and second.hit_tokens[Tier.L3] == 400
+    expected = synthetic_payload(torch.from_numpy(np.concatenate([prompt, [7, 8, 9]])), 8)
+    assert torch.equal(out[1].payload, expected)
+
+
+def test_model_logits_after_a_disk_round_trip_equal_uncached(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    _, model = load_model("tiny", device="cpu", dtype="float32", seed=0)
+    compute = ModelCompute(model, torch.float32)
+    cfg = config(tmp_path, pool_tokens=640, l2_tokens=640)
+    engine = Engine(compute, cfg, model_id="tiny")
+    requests = builtin(compute.vocab_size, seed=12, n_requests=50)
+    engine.keep_logits = {r.rid for r in requests}
+    try:
+        out = run_all(engine, requests)
+    finally:
+        engine.close()
+    assert engine.hit_tokens[Tier.L3] > 0
+    for r in requests[-15:]:
+        fresh = recompute_uncached(compute, cfg, r)
+        got = out[r.rid].logits
+        assert got is not None and float((fresh - got).abs().max()) <= 1e-5, r.rid
+
+
+def test_disk_tier_configuration_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="L2"):
+        EngineConfig(l3_dir=str(tmp_path), l3_gib=1.0)
+    with pytest.raises(ConfigError, match="l3-gib"):
+        EngineConfig(l2_tokens=1024, l3_dir=str(tmp_path), l3_gib=0.0)
+    with pytest.raises(ConfigError, match="l3-start"):
+        EngineConfig(l2_tokens=1024, l3_dir=str(tmp_path), l3_gib=1.0, l3_start="warm")
