@@ -6,6 +6,8 @@
 # machine where `nvidia-smi -L` lists a GPU, a CUDA build of torch is kept if the venv has one,
 # and otherwise installed (replacing a CPU build) from the PyTorch index for the newest CUDA the
 # driver supports; the gpu extra (Triton) comes with it. The script says which it chose.
+# Where apt is available (and we are root), Debian's chromium too, for the test that renders
+# `replay --report`'s page (tests/test_report.py skips it, with the reason, where there is no browser).
 #
 # Environment: KVSTRATA_TORCH_INDEX=URL   the PyTorch index for the CUDA build (default: by driver)
 #              KVSTRATA_SETUP_DRY_RUN=1   print the pip commands instead of running them
@@ -61,4 +63,12 @@ else
     echo "setup: no NVIDIA GPU; keeping the torch already installed ($have)"
   fi
   run "$py" -m pip install -q -e ".[hf,dev]"
+fi
+if [ "${KVSTRATA_SETUP_DRY_RUN:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+    && [ "$(id -u)" = 0 ]; then
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+      >/tmp/kvstrata-apt-chromium.log 2>&1; then
+    echo "setup: apt-get install chromium failed (see /tmp/kvstrata-apt-chromium.log);" \
+      "the browser test will skip" >&2
+  fi
 fi

@@ -171,6 +171,10 @@ def test_check_model_passes_the_same_checkpoint_without_nan(
     [
         ["radix", "--requests", "20", "--page-sizes", "16"],
         ["prefill", "--device", "cpu", "--preset", "tiny", "--lengths", "8", "--repeats", "1"],
+        pytest.param(
+            ["replay", "--trace", "builtin", "--repeats", "1", "--scrape-interval", "0.01"],
+            marks=pytest.mark.slow,  # two spawned processes
+        ),
     ],
 )
 def test_bench_json_names_the_benchmark(

@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import io
 import json
+import tempfile
 from unittest import mock
 
 import pytest
@@ -29,10 +30,25 @@ from hypothesis import strategies as st
 from kvstrata.cli import BENCHMARKS, build_parser, main
 
 AVAILABLE_BYTES = 256 * 2**20
+OUT = tempfile.mkdtemp(prefix="kvstrata-fuzz-")  # the commands' working directory
 
 # Cheap base arguments per command; the fuzzed flag comes last, so it wins over a base value.
 BASE = {
     "replay": ["replay", "--model", "none", "--limit", "2", "--no-progress", "--json"],
+    "sweep": [
+        "sweep",
+        "--trace",
+        "builtin",
+        "--limit",
+        "3",
+        "--l1-tokens",
+        "16k",
+        "--report",
+        OUT,
+        "--no-progress",
+        "--json",
+    ],
+    "compare": ["compare", "a.json", "b.json"],
     "check-model": ["check-model", "tiny", "--json"],
     "bench radix": ["bench", "radix", "--requests", "4", "--page-sizes", "16"],
     "bench prefill": [
@@ -51,6 +67,16 @@ BASE = {
     ],
     "bench planner": ["bench", "planner", "--leaves", "20", "--pages", "4", "--deficit", "10"],
     "bench workload": ["bench", "workload", "--trace", "builtin"],
+    "bench replay": [
+        "bench",
+        "replay",
+        "--trace",
+        "builtin",
+        "--repeats",
+        "1",
+        "--scrape-interval",
+        "10",
+    ],
     "bench memory": ["bench", "memory", "--sizes", "2", "--l1-tokens", "300000"],
     # CUDA-only benchmarks: on a machine without CUDA every value ends in one error line.
     "bench attention": ["bench", "attention", "--device", "cpu"],
@@ -146,6 +172,7 @@ def run(argv: list[str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with (
         mock.patch("kvstrata.limits.available_bytes", return_value=AVAILABLE_BYTES),
+        contextlib.chdir(OUT),  # a valid relative --report path lands here, not in the repo
         contextlib.redirect_stdout(out),
         contextlib.redirect_stderr(err),
     ):
@@ -192,6 +219,21 @@ def test_every_command_has_flags_to_fuzz() -> None:
 
 def test_replay_flags() -> None:
     fuzz("replay", 80)
+
+
+def test_sweep_flags() -> None:
+    fuzz("sweep", 40)
+
+
+@pytest.mark.slow
+def test_bench_replay_flags() -> None:
+    fuzz("bench replay", 15)  # a valid value runs three replays
+
+
+@given(value=BAD_VALUES)
+@settings(max_examples=20, derandomize=True, deadline=None)
+def test_compare_positionals(value: str) -> None:
+    check_outcome("compare", ["compare", value, value, "--json"])
 
 
 @pytest.mark.slow

@@ -14,16 +14,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstrata.errors import ConfigError
-from kvstrata.model.compute import _payload_bytes, _token_terms, synthetic_payload
+from kvstrata.model.compute import synthetic_payload
+
+M = 1 << 31
 
 
 def whole_sequence_payload(tokens: torch.Tensor, kv_width: int) -> torch.Tensor:
-    """The formula in one pass over the whole sequence (what synthetic_payload computed before
-    it was chunked): the reference the chunked version must reproduce byte for byte."""
+    """The formula written out in one pass over the whole sequence (what synthetic_payload
+    computed before it was chunked and before the forward's fast path): the reference every
+    implementation must reproduce byte for byte."""
     tokens = tokens.to(torch.int64)
     positions = torch.arange(tokens.numel())
-    state = torch.cumsum(_token_terms(tokens, positions), 0) % (1 << 31)
-    return _payload_bytes(state, tokens, kv_width)
+    weights = ((positions * 0x9E3779B1 + 0x7F4A7C15) % M) | 1
+    state = torch.cumsum(((tokens + 1) * weights) % M, 0) % M
+    lanes = torch.arange(kv_width, dtype=torch.int64)
+    shift = ((lanes % 4) * 8)[None, :]
+    mixed = state[:, None] ^ ((tokens[:, None] * 0x85EBCA77 + lanes[None, :] * 0x27D4EB2F) % M)
+    mixed = torch.where(lanes[None, :] < 4, state[:, None], mixed)
+    return ((mixed >> shift) & 0xFF).to(torch.uint8)
 
 
 @given(
@@ -72,3 +80,58 @@ def test_payload_memory_does_not_grow_with_the_sequence() -> None:
     )
     report = json.loads(out.stdout)
     assert report["peak_mib"] < report["out_mib"] + 200, report
+
+
+@pytest.mark.parametrize("kv_width", [4, 5, 8, 13])
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_forward_writes_the_payload_of_each_whole_sequence(kv_width: int, path: str) -> None:
+    """Both forwards (numpy on a CPU pool, torch ops elsewhere) write, chunk by chunk over
+    several batches, exactly the bytes ``synthetic_payload`` gives for each whole sequence."""
+    import numpy as np
+
+    from kvstrata.model.batch import ForwardBatch
+    from kvstrata.model.compute import SyntheticCompute
+    from kvstrata.tiers.pool import DevicePool
+
+    P, rng = 4, np.random.default_rng(kv_width)
+    compute = SyntheticCompute(kv_width, 1000)
+    pool = DevicePool(compute.layout, P, 256, "cpu")
+    forward = compute._forward_host if path == "host" else compute._forward_device
+    lengths = [37, 9, 64, 1]
+    slots = rng.permutation(256).astype(np.int64)
+    tables, used = [], 0
+    for n in lengths:
+        tables.append(slots[used : used + -(-n // P)])
+        used += -(-n // P)
+    seqs = [torch.from_numpy(rng.integers(0, 2**32 - 1, n, dtype=np.int64)) for n in lengths]
+    done = [0] * len(lengths)
+    while any(d < n for d, n in zip(done, lengths, strict=True)):
+        live = [i for i, n in enumerate(lengths) if done[i] < n]
+        extends = [min(int(rng.integers(1, 20)), lengths[i] - done[i]) for i in live]
+        batch = ForwardBatch.build([done[i] for i in live], extends, [tables[i] for i in live], P)
+        ids = torch.cat(
+            [seqs[i][done[i] : done[i] + e] for i, e in zip(live, extends, strict=True)]
+        )
+        table = compute._weights(max(lengths), pool.device)
+        forward(ids, batch, pool, table)
+        for i, e in zip(live, extends, strict=True):
+            done[i] += e
+    for i, n in enumerate(lengths):
+        got = compute.snapshot(pool, tables[i], n)
+        assert torch.equal(got, whole_sequence_payload(seqs[i], kv_width)), i
+
+
+def test_weight_table_grows_only_with_the_positions_asked_for() -> None:
+    """The table is rebuilt for a new device, never doubled step after step (on CUDA, a pool on
+    "cuda" holds tensors on "cuda:0": comparing the two as devices said they differ, and the
+    table doubled every step until the GPU ran out of memory)."""
+    from kvstrata.model.compute import SyntheticCompute
+
+    compute = SyntheticCompute(4, 100)
+    cpu = torch.device("cpu")
+    first = compute._weights(1000, cpu)
+    for _ in range(10):
+        assert compute._weights(1000, cpu) is first
+    assert first.numel() == 1 << 16
+    bigger = compute._weights(200_000, cpu)
+    assert bigger.numel() == 200_000 and torch.equal(bigger[: first.numel()], first)

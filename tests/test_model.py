@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -676,3 +677,26 @@ def test_loader_accepts_shards_in_a_subdirectory(llama_checkpoint: Path, tmp_pat
 def test_empty_model_name_is_not_the_working_directory() -> None:
     with pytest.raises(ConfigError, match="'' is neither a checkpoint directory nor a preset"):
         load_model("")
+
+
+def test_read_index_is_built_only_when_a_forward_reads_the_prefix() -> None:
+    """The synthetic forward reads one row per request, so a step's index work grows with the
+    tokens it computes, not with the requests' contexts: a 100,000-token prefix costs nothing
+    until something asks for its rows."""
+    from kvstrata.model.batch import ReadRows
+    from kvstrata.model.compute import SyntheticCompute
+
+    P = 16
+    prefix, extend = 100_000, 7
+    table = np.arange(-(-(prefix + extend) // P), dtype=np.int64)
+    batch = ForwardBatch.build([prefix, 0], [extend, 5], [table, np.array([7000])], P)
+    compute = SyntheticCompute(4, 100)
+    pool = DevicePool(compute.layout, P, 7001, "cpu")
+    compute.forward(torch.arange(extend + 5) % 100, batch, pool)
+    assert isinstance(batch.read_index, ReadRows) and not batch.read_index.built
+    assert batch.prefix_last_row is not None
+    assert batch.prefix_last_row.tolist() == [prefix - 1, -1]
+    rows = batch.read_index
+    assert rows[0].tolist() == list(range(prefix + extend))
+    assert rows[1].tolist() == list(range(7000 * P, 7000 * P + 5))
+    assert batch.read_index.built and len(rows) == 2  # built on first use

@@ -889,3 +889,41 @@ def test_matched_lengths_equal_the_shared_reference(
     assert tree.hash_collisions == 0
     tree.check()
     alloc.check()
+
+
+@pytest.mark.parametrize("confirmed", [0, 2])
+def test_confirmed_prefix_still_catches_a_collision_after_it(confirmed: int) -> None:
+    """A chunked insert that skips comparing the tokens it confirmed before still compares the
+    rest: a collision past ``confirmed_len`` is found exactly as without it."""
+    P = 2
+    tree, alloc = make(P, hasher=OrderBlindHasher())
+    stored = [1, 2, 3, 4, 5, 6]
+    pages = alloc.alloc(0, 3)
+    assert pages is not None
+    tree.insert(stored, pages, 0)
+    query = [1, 2, 4, 3, 5, 6]  # every page key equals stored's; the tokens differ in page 1
+    match = tree.match_prefix(query)
+    assert match.valid_len == 2
+    tree.lock(match.last_node)
+    fresh = alloc.alloc(1, 2)
+    assert fresh is not None
+    full = np.concatenate([match.device_pages, fresh])
+    before = tree.hash_collisions
+    result = tree.insert(query, full, 2, confirmed_len=confirmed)
+    assert tree.hash_collisions > before
+    # As with no confirmed prefix: the tree keeps the first under the colliding key and hands
+    # the new pages back.
+    assert result.free_pages.tolist() == fresh.tolist()
+    alloc.free(result.free_pages)
+    tree.unlock(match.last_node)
+    tree.check()
+    assert tree.match_prefix(stored).device_pages.tolist() == pages.tolist()
+    assert tree.match_prefix(query).valid_len == 2
+
+
+def test_confirmed_len_cannot_exceed_cached_len() -> None:
+    tree, alloc = make(2)
+    pages = alloc.alloc(0, 2)
+    assert pages is not None
+    with pytest.raises(ConfigError, match="confirmed_len"):
+        tree.insert([1, 2, 3, 4], pages, 0, confirmed_len=2)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvstrata import replay
+from kvstrata.arrivals import ArrivalSpec
 from kvstrata.benchmarks.memory import run_child
 from kvstrata.engine import Engine, EngineConfig
 from kvstrata.errors import ConfigError
@@ -65,6 +66,7 @@ def test_replay_holds_only_the_lookahead_window(
         vocab_size=512,
         verify=verify,
         lookahead=lookahead,
+        arrivals=ArrivalSpec("burst"),  # all at once: the window is what holds them back
         engine=EngineConfig(page_size=8, pool_tokens=4096, max_batch_requests=max_batch),
     )
     summary = run_replay(cfg, progress=False)

@@ -1,6 +1,8 @@
 """The ``kvstrata`` command line: a thin skin over the config dataclasses.
 
 kvstrata replay         run a workload through the prefill engine and report the cache's savings
+kvstrata sweep          replay one workload over several cache sizes and policies, in one report
+kvstrata compare        two replay results side by side, with ratios
 kvstrata check-model    compare a checkpoint's logits with transformers before serving it
 kvstrata bench radix    radix tree speed on the shared synthetic workload
 kvstrata bench prefill  prefill tokens/s against transformers on the same inputs
@@ -8,6 +10,7 @@ kvstrata bench planner  one owner-lane eviction plan on the production fork's wo
 kvstrata bench transfer batched page copies device <-> host against a contiguous pinned copy
 kvstrata bench workload workload statistics: sizes, unique tokens, ideal hit ratio
 kvstrata bench memory   peak RSS of a streamed replay at several workload sizes
+kvstrata bench replay   cache-only replay speed on a whole trace, and what metrics cost
 kvstrata bench cp       bytes moved and step time of both CP attention strategies, cp = 1, 2, 4
 kvstrata bench disk     spill and reload through the disk tier against dd with O_DIRECT
 kvstrata disk check     audit a disk tier directory: slabs against the index (--fix repairs)
@@ -25,8 +28,10 @@ import importlib
 import json
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
+from .clock import CLOCKS, COST_DEFAULTS
 from .command import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -37,6 +42,9 @@ from .command import (
 )
 from .config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, WRITE_POLICIES
 from .model.attention import ATTENTION_BACKENDS
+
+if TYPE_CHECKING:
+    from .replay import ReplayConfig, ReplayObserver, ReplayRun
 
 #: Default torch intra-op threads of ``replay``: one, because the engine's per-step ops are small
 #: and two threads make a replay 10-20x slower as soon as another process uses a core
@@ -54,6 +62,7 @@ BENCHMARKS = (
     "disk",
     "attention",
     "gpu",
+    "replay",
 )
 
 
@@ -63,10 +72,59 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         help="replay a workload through the engine (the main job)",
         description="Replay a workload through the prefill engine on top of the prefix cache and "
         "report what the cache saved: hit ratio, computed tokens, prefill tokens/s, TTFT "
-        "percentiles, pool usage. With no arguments: the built-in workload through the `tiny` "
-        "model on the CPU. The last line of output is a JSON summary with --json.",
+        "(from each request's arrival) and its parts, pool usage. With no arguments: the "
+        "built-in workload through the `tiny` model on the CPU. The last line of output is a "
+        "JSON summary with --json.",
         formatter_class=HelpFormatter,
     )
+    _workload_flags(p, model_default="tiny")
+    _engine_flags(p, grid=False)
+    _timing_flags(p)
+    p.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="N",
+        help="recompute N sampled requests without the cache and report the largest |logit "
+        "difference| and argmax agreement (payload bytes with --model none)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="serve Prometheus metrics on this port while replaying (0: any free port; the URL "
+        "goes to stderr); on 127.0.0.1 unless --metrics-host says otherwise",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="the address --metrics-port listens on; anything but a loopback address exposes "
+        "the metrics to the network",
+    )
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="DIR",
+        help="write DIR/report.html with plots (hit ratio over time by tier, tier occupancy, "
+        "bytes moved, TTFT distribution) and DIR/summary.json; needs matplotlib "
+        "(pip install 'kvstrata[report]')",
+    )
+    p.add_argument(
+        "--fail-on-error",
+        action="store_true",
+        help="exit 1 if any request failed (without it: only if every request failed)",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="debug: check every invariant after each step"
+    )
+    p.add_argument("--json", action="store_true", help="print the JSON summary as the last line")
+    _progress_flag(p)
+    p.set_defaults(func=_run_replay)
+
+
+def _workload_flags(p: argparse.ArgumentParser, model_default: str) -> None:
     p.add_argument(
         "--trace",
         "--workload",
@@ -79,7 +137,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument(
         "--model",
-        default="tiny",
+        default=model_default,
         help="a preset (tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b), a Hugging Face "
         "checkpoint directory (config.json + *.safetensors), or 'none' for cache-only replay "
         "with synthetic KV payloads",
@@ -96,28 +154,77 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         "(torch SDPA per request, gathering a cached prefix; the CPU path), auto (triton on CUDA, "
         "sdpa on CPU); no silent fallback",
     )
+    p.add_argument(
+        "--kv-width", type=int, default=64, help="with --model none: synthetic KV bytes per token"
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=128_256,
+        help="with --model none: the vocabulary token ids are mapped into; hit ratios equal a "
+        "model's when this equals its vocabulary (a model run always uses the model's)",
+    )
+    p.add_argument(
+        "--on-error",
+        choices=["stop", "skip"],
+        default="stop",
+        help="a malformed trace line: stop with its line number, or skip it (and count it)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed for preset weights, --verify sampling and poisson arrivals",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        metavar="N",
+        help="torch intra-op CPU threads; more than 1 helps only a large model on an idle machine "
+        "and slows the engine's small per-step ops 10-20x when other processes use the CPU",
+    )
+    p.add_argument(
+        "--lookahead",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests read ahead of the engine, waiting or running (default: 2 x "
+        "--max-batch-requests); replay memory holds the cache plus these",
+    )
+
+
+def _engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
+    """The engine's knobs; with ``grid`` (sweep), the swept ones take several values."""
+    many: dict[str, Any] = {"nargs": "+"} if grid else {}
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument(
         "--l1-tokens",
         "--pool-tokens",
         dest="l1_tokens",
-        type=int,
-        default=262_144,
-        help="device pool (L1) size in tokens",
+        type=str if grid else int,
+        default=["262144"] if grid else 262_144,
+        metavar="N",
+        help="device pool (L1) size in tokens"
+        + ("; several sizes (k, M, G suffixes: 2**10, 2**20, 2**30)" if grid else ""),
+        **many,
     )
     p.add_argument(
         "--l2-tokens",
-        type=int,
-        default=0,
+        type=str if grid else int,
+        default=["0"] if grid else 0,
+        metavar="N",
         help="host pool (L2) size in tokens: pinned host memory on a CUDA machine, plain memory "
-        "otherwise; 0 with no --l2-gib: no L2",
+        "otherwise; 0" + (" (no L2)" if grid else " with no --l2-gib: no L2"),
+        **many,
     )
-    p.add_argument(
-        "--l2-gib",
-        type=float,
-        default=0.0,
-        help="host pool (L2) size in GiB (instead of --l2-tokens)",
-    )
+    if not grid:
+        p.add_argument(
+            "--l2-gib",
+            type=float,
+            default=0.0,
+            help="host pool (L2) size in GiB (instead of --l2-tokens)",
+        )
     p.add_argument(
         "--host-layout",
         choices=list(HOST_LAYOUTS),
@@ -128,10 +235,11 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--write-policy",
         choices=list(WRITE_POLICIES),
-        default="write_through",
+        default=["write_through"] if grid else "write_through",
         help="when device pages are backed up to L2: write_through (every computed chunk, layer "
         "by layer during the forward), write_through_selective (a node once hit "
         "--write-through-hits times), write_back (a node when L1 eviction would drop it)",
+        **many,
     )
     p.add_argument(
         "--write-through-hits",
@@ -200,71 +308,89 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         "--max-batch-requests", type=int, default=64, help="max requests running at once"
     )
     p.add_argument(
-        "--lookahead",
-        type=int,
+        "--eviction",
+        choices=["lru", "slru"],
+        default=["lru"] if grid else "lru",
+        help="eviction policy" + ("; several to compare them" if grid else ""),
+        **many,
+    )
+
+
+def _timing_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--arrivals",
         default=None,
-        metavar="N",
-        help="requests read ahead of the engine, waiting or running (default: 2 x "
-        "--max-batch-requests); replay memory holds the cache plus these",
-    )
-    p.add_argument("--eviction", choices=["lru", "slru"], default="lru", help="eviction policy")
-    p.add_argument(
-        "--kv-width", type=int, default=64, help="with --model none: synthetic KV bytes per token"
+        metavar="KIND",
+        help="when requests enter the engine: trace (the trace's timestamps; the default when "
+        "the workload has them), burst (all at time 0, read ahead --lookahead at most; the "
+        "default otherwise) or poisson:RATE (RATE requests/s, seeded by --seed)",
     )
     p.add_argument(
-        "--vocab-size",
-        type=int,
-        default=128_256,
-        help="with --model none: the vocabulary token ids are mapped into; hit ratios equal a "
-        "model's when this equals its vocabulary (a model run always uses the model's)",
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="multiply every arrival time by X (0.5: the same arrivals twice as fast)",
     )
     p.add_argument(
-        "--verify",
-        type=int,
-        default=0,
-        metavar="N",
-        help="recompute N sampled requests without the cache and report the largest |logit "
-        "difference| and argmax agreement (payload bytes with --model none)",
+        "--clock",
+        choices=list(CLOCKS),
+        default="auto",
+        help="the clock TTFT is measured on: sim (a cost model advances it; deterministic), "
+        "wall (real time; a trace replays in real time), auto (sim with --model none, else wall)",
     )
     p.add_argument(
-        "--on-error",
-        choices=["stop", "skip"],
-        default="stop",
-        help="a malformed trace line: stop with its line number, or skip it (and count it)",
+        "--sim-tokens-per-s",
+        type=float,
+        default=None,
+        metavar="R",
+        help="simulated clock: prefill tokens computed per second (default: measured, per "
+        "device: "
+        + ", ".join(f"{k} {v[0]:,.0f}" for k, v in COST_DEFAULTS.items())
+        + "; docs/benchmarks.md)",
     )
     p.add_argument(
-        "--seed", type=int, default=0, help="seed for preset weights and --verify sampling"
+        "--sim-h2d-gbps",
+        type=float,
+        default=None,
+        metavar="G",
+        help="simulated clock: host -> device (load-back) GB/s (default: "
+        + ", ".join(f"{k} {v[1]:g}" for k, v in COST_DEFAULTS.items())
+        + ")",
     )
     p.add_argument(
-        "--threads",
-        type=int,
-        default=DEFAULT_THREADS,
-        metavar="N",
-        help="torch intra-op CPU threads; more than 1 helps only a large model on an idle machine "
-        "and slows the engine's small per-step ops 10-20x when other processes use the CPU",
+        "--sim-d2h-gbps",
+        type=float,
+        default=None,
+        metavar="G",
+        help="simulated clock: device -> host (backup) GB/s (default: "
+        + ", ".join(f"{k} {v[2]:g}" for k, v in COST_DEFAULTS.items())
+        + ")",
     )
-    p.add_argument(
-        "--fail-on-error",
-        action="store_true",
-        help="exit 1 if any request failed (without it: only if every request failed)",
-    )
-    p.add_argument(
-        "--check", action="store_true", help="debug: check every invariant after each step"
-    )
-    p.add_argument("--json", action="store_true", help="print the JSON summary as the last line")
+
+
+def _progress_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress (a bar on a terminal, else a line every few seconds on stderr)",
     )
-    p.set_defaults(func=_run_replay)
 
 
-def _run_replay(args: argparse.Namespace) -> int:
+def _replay_config(args: argparse.Namespace) -> ReplayConfig:
+    """The replay configuration the flags describe (sweep: its first grid point)."""
+    from .arrivals import ArrivalSpec
+    from .clock import CostModel
     from .engine import EngineConfig
-    from .replay import ReplayConfig, run_replay
+    from .replay import ReplayConfig
 
-    cfg = ReplayConfig(
+    grid = isinstance(args.l1_tokens, list)
+    cost = None
+    if (args.sim_tokens_per_s, args.sim_h2d_gbps, args.sim_d2h_gbps) != (None, None, None):
+        cost = CostModel.for_device(
+            args.device, args.sim_tokens_per_s, args.sim_h2d_gbps, args.sim_d2h_gbps
+        )
+    return ReplayConfig(
         workload=args.workload,
         limit=args.limit,
         model=args.model,
@@ -273,11 +399,11 @@ def _run_replay(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         engine=EngineConfig(
             page_size=args.page_size,
-            pool_tokens=args.l1_tokens,
-            l2_tokens=args.l2_tokens,
-            l2_gib=args.l2_gib,
+            pool_tokens=_sizes(args.l1_tokens, "--l1-tokens")[0] if grid else args.l1_tokens,
+            l2_tokens=_sizes(args.l2_tokens, "--l2-tokens")[0] if grid else args.l2_tokens,
+            l2_gib=0.0 if grid else args.l2_gib,
             host_layout=args.host_layout,
-            write_policy=args.write_policy,
+            write_policy=args.write_policy[0] if grid else args.write_policy,
             write_through_hits=args.write_through_hits,
             l3_dir=args.l3_dir,
             l3_gib=args.l3_gib,
@@ -288,11 +414,11 @@ def _run_replay(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size,
             max_batch_tokens=args.max_batch_tokens,
             max_batch_requests=args.max_batch_requests,
-            eviction=args.eviction,
+            eviction=args.eviction[0] if grid else args.eviction,
             device=args.device,
-            check_every_step=args.check,
+            check_every_step=getattr(args, "check", False),
         ),
-        verify=args.verify,
+        verify=getattr(args, "verify", 0),
         on_error=args.on_error,
         seed=args.seed,
         threads=args.threads,
@@ -300,13 +426,47 @@ def _run_replay(args: argparse.Namespace) -> int:
         cp_timeout_s=args.cp_timeout,
         lookahead=args.lookahead,
         attention=args.attention,
+        arrivals=ArrivalSpec.parse(args.arrivals, args.time_scale),
+        clock=args.clock,
+        cost=cost,
+        metrics_port=getattr(args, "metrics_port", None),
+        metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
     )
-    summary = run_replay(cfg, progress=not args.no_progress)
+
+
+def _sizes(values: list[str], flag: str) -> tuple[int, ...]:
+    from .sweep import parse_sizes
+
+    return parse_sizes(values, flag)
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from .replay import run_replay
+
+    cfg = _replay_config(args)
+    observers: list[ReplayObserver] = []
+    if cfg.metrics_port is not None:
+        observers.append(_AnnounceMetrics())
+    timeline = None
+    if args.report is not None:
+        from .report import require_matplotlib
+        from .timeline import Timeline
+
+        require_matplotlib()  # before the replay, not after it
+        _make_dir(args.report)
+        timeline = Timeline()
+        observers.append(timeline)
+    summary = run_replay(cfg, progress=not args.no_progress, observers=observers)
     if summary.rank != 0:  # one rank of torchrun's world: rank 0 reports
         return EXIT_OK
     print(summary.table())
     for line in summary.problems():
         print(line)
+    if timeline is not None:
+        from .report import write_report
+
+        path = write_report(args.report, summary.to_json(), timeline)
+        print(f"report: {path}")
     if args.json:
         print(json.dumps(summary.to_json()))
     if summary.interrupted:
@@ -326,6 +486,125 @@ def _run_replay(args: argparse.Namespace) -> int:
     if why is not None:
         print(f"kvstrata replay: {why}", file=sys.stderr)
         return EXIT_FAILED
+    return EXIT_OK
+
+
+class _AnnounceMetrics:
+    """Says where the metrics are served (the port may have been picked by the system)."""
+
+    def on_start(self, run: ReplayRun) -> None:
+        if run.metrics_url is not None:
+            print(f"kvstrata replay: metrics on {run.metrics_url}", file=sys.stderr, flush=True)
+
+    def on_step(self, run: ReplayRun) -> None:
+        pass
+
+    def on_end(self, run: ReplayRun) -> None:
+        pass
+
+
+def _sweep_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sweep",
+        help="replay one workload over several cache sizes and policies; plot hit ratio and TTFT",
+        description="Replay one workload once per combination of --l1-tokens, --l2-tokens, "
+        "--eviction and --write-policy values (each takes several), cache only by default "
+        "(--model none, simulated clock), and write one report: hit ratio, TTFT and hit tokens "
+        "by tier against the L1 size, and a table of every run. Prints the table; --json prints "
+        "every run's summary as one JSON line last.",
+        formatter_class=HelpFormatter,
+    )
+    _workload_flags(p, model_default="none")
+    _engine_flags(p, grid=True)
+    _timing_flags(p)
+    p.add_argument(
+        "--report",
+        required=True,
+        metavar="DIR",
+        help="write DIR/report.html with the plots, and DIR/sweep.json (every run's summary)",
+    )
+    p.add_argument("--json", action="store_true", help="print every run as one JSON line last")
+    _progress_flag(p)
+    p.set_defaults(func=_run_sweep)
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    from .report import require_matplotlib
+    from .sweep import COLUMNS, SweepGrid, configs, lookup, run_sweep, write_sweep_report
+
+    require_matplotlib()
+    _make_dir(args.report)
+    grid = SweepGrid(
+        l1_tokens=_sizes(args.l1_tokens, "--l1-tokens"),
+        l2_tokens=_sizes(args.l2_tokens, "--l2-tokens"),
+        eviction=tuple(args.eviction),
+        write_policy=tuple(args.write_policy),
+    )
+    base = _replay_config(args)
+    configs(base, grid)  # every point checked before the first runs
+    runs = run_sweep(base, grid, progress=not args.no_progress)
+    path = write_sweep_report(args.report, runs)
+    rows = [[label for label, _ in COLUMNS]]
+    for run in runs:
+        rows.append([_cell(lookup(run["summary"], key)) for _, key in COLUMNS])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    for r in rows:
+        print("  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)))
+    print(f"report: {path}")
+    if args.json:
+        print(json.dumps({"runs": runs}))
+    if any(run["summary"]["interrupted"] for run in runs):
+        print("kvstrata sweep: interrupted; the report covers the runs finished", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+def _make_dir(path: str) -> None:
+    """Create a report directory now, so a path that cannot hold it fails before the replay."""
+    from pathlib import Path
+
+    from .errors import ConfigError
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create the report directory {path}: {err.strerror}") from None
+
+
+def _cell(value: object) -> str:
+    from .report import format_value
+
+    return format_value(value)
+
+
+def _compare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="two replay results side by side, with ratios",
+        description="Print two replay summaries side by side with B / A for every number: hit "
+        "ratio and hit tokens by tier, TTFT and its parts, throughput, bytes moved; then the "
+        "configuration fields that differ. Each result is a summary.json, a --report "
+        "directory, or saved `kvstrata replay --json` output.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("a", metavar="A", help="the baseline result")
+    p.add_argument("b", metavar="B", help="the result compared with it")
+    p.add_argument("--json", action="store_true", help="print the rows as one JSON line last")
+    p.set_defaults(func=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from .compare import compare, load_summary, render
+
+    rows = compare(load_summary(args.a), load_summary(args.b))
+    print(render(rows, "A", "B"))
+    print(f"A: {args.a}\nB: {args.b}")
+    if args.json:
+        print(
+            json.dumps(
+                {"rows": [dict(zip(("name", "a", "b", "b_over_a"), r, strict=True)) for r in rows]}
+            )
+        )
     return EXIT_OK
 
 
@@ -397,7 +676,7 @@ def _run_check_model(args: argparse.Namespace) -> int:
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks (radix, prefill, planner, transfer, workload, memory, cp, disk); each prints a table and a JSON line",
+        help="benchmarks (" + ", ".join(BENCHMARKS) + "); each prints a table and a JSON line",
         description="Run a benchmark. Arguments after the name go to the benchmark "
         "(kvstrata bench radix --help).",
     )
@@ -498,6 +777,8 @@ def build_parser() -> CommandParser:
     parser.add_argument("--version", action="version", version=f"kvstrata {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _replay_parser(sub)
+    _sweep_parser(sub)
+    _compare_parser(sub)
     _check_model_parser(sub)
     _bench_parser(sub)
     _disk_parser(sub)

@@ -23,7 +23,6 @@ so it waits for the chunk it needs, not the whole prefill. This reads only repli
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import torch
 from .cache.allocator import PageAllocator
 from .cache.keys import TokenKey
 from .cache.radix import Node, RadixTree
+from .clock import Clock, StepWork, WallClock
 from .config import (
     DEFAULT_HOST_LAYOUT,
     HOST_LAYOUTS,
@@ -50,8 +50,9 @@ from .dist.cp_batch import build_cp_batch
 from .dist.frontier import group_frontier
 from .dist.group import Group, SoloGroup
 from .errors import ConfigError, DivergenceError, RequestError
+from .handoff import Handoff, export_handoff, layout_fingerprint
 from .model.batch import ForwardBatch
-from .model.compute import Compute
+from .model.compute import Compute, PairCompute
 from .ownership import owners, page_span
 from .residency import Tier
 from .tiers.disk_config import DiskConfig
@@ -175,11 +176,15 @@ class Finished:
     prompt_len: int
     cached_len: int  # tokens served from the cache (both tiers)
     logits: torch.Tensor | None  # last-token logits on the CPU (None without a model or on error)
-    ttft_s: float  # engine time from the step it entered to its last-token logits
+    ttft_s: float  # clock time from its arrival to its last-token logits
     error: str | None = None
     payload: torch.Tensor | None = None  # the sequence's cached payload rows, when kept (no model)
     all_logits: torch.Tensor | None = None  # logits of every computed token, when asked for
     host_len: int = 0  # of cached_len, tokens loaded back from the host tier (L2)
+    queue_s: float = 0.0  # of ttft_s, from its arrival to the step it entered
+    load_wait_s: float = 0.0  # of ttft_s, steps it ran in spent waiting for load-back copies
+    draft_logits: torch.Tensor | None = None  # the speculative draft's last-token logits, if any
+    handoff: Handoff | None = None  # this rank's part of its KV, when asked for (keep_handoff)
 
     @property
     def computed_len(self) -> int:
@@ -189,6 +194,7 @@ class Finished:
 class _Waiting(NamedTuple):
     request: Request
     key: TokenKey  # hashed once, when the request is added
+    arrived_at: float
 
 
 @dataclass
@@ -201,7 +207,9 @@ class _Running:
     host_len: int  # of cached_len, loaded back from L2
     done_len: int
     inserted_len: int  # tokens of it the tree holds (matched or inserted chunk by chunk)
+    arrived_at: float
     entered_at: float
+    load_wait_at_entry: float  # the engine's load-back wait total when it entered
     keep_logits: bool
     keep_all_logits: bool
     # Pages the tree did not keep that it still reads (only after a key collision): freed at
@@ -218,7 +226,9 @@ class _Running:
 class Engine:
     """Prefill engine over one device pool (and an optional host pool), one radix tree and one
     page allocator per tier (one rank). ``frontier`` turns this rank's copy progress into the
-    commit frontier; context parallelism plugs its MIN all-reduce in there."""
+    commit frontier; context parallelism plugs its MIN all-reduce in there. ``clock`` stamps
+    arrivals, admissions and first tokens (the wall clock unless a simulated one is given); it
+    never takes part in a decision."""
 
     def __init__(
         self,
@@ -226,6 +236,7 @@ class Engine:
         config: EngineConfig,
         frontier: FrontierFn | None = None,
         group: Group | None = None,
+        clock: Clock | None = None,
         model_id: str = "model",
     ) -> None:
         self.compute = compute
@@ -234,6 +245,7 @@ class Engine:
         self.cp = cp = self.group.size
         self.rank = self.group.rank
         self.frontier = frontier or (group_frontier(self.group) if cp > 1 else local_frontier)
+        self.clock: Clock = clock if clock is not None else WallClock()
         P = config.page_size
         layout = compute.layout
         # Sizes are per rank: each rank's pools hold its own lane of a cp-times larger page space.
@@ -318,28 +330,31 @@ class Engine:
         self.running: list[_Running] = []
         self.keep_logits: set[int] = set()  # request ids whose last-token logits are returned
         self.keep_all_logits: set[int] = set()  # ... whose logits for every computed token are
-        # Prefix keys of the full pages running requests are computing, with multiplicity.
-        self._inflight: dict[int, int] = {}
+        self.keep_handoff: set[int] = set()  # ... whose KV this rank exports when they finish
+        self.fingerprint = layout_fingerprint(model_id, layout, P)  # what a decoder must match
+        self.has_draft = isinstance(compute, PairCompute)  # logits come as [..., 2, vocab]
         self._reservations: dict[int, Reservation] = {}  # id(run) -> this step's backup
         self.deferred = 0
         self.steps = 0
         self.peak_pages_used = 0
         self.hit_tokens = {Tier.L1: 0, Tier.L2: 0, Tier.L3: 0}
+        self.load_wait_s = 0.0  # clock time steps spent waiting for load-back, in total
         self.strategy_steps: dict[str, int] = {}  # CP attention strategy -> steps that used it
         self.report_delay: Callable[[list[Completion]], list[Completion]] | None = None
 
     # -- public ----------------------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
-        """Queue a request. One that can never run here is refused at once: the next
-        :meth:`step` returns it with its error."""
+    def add(self, request: Request, arrived_at: float | None = None) -> None:
+        """Queue a request that arrived at clock time ``arrived_at`` (default: now). One that can
+        never run here is refused at once: the next :meth:`step` returns it with its error."""
+        arrived = self.clock.now() if arrived_at is None else arrived_at
         error = self._refusal(request)
         if error is not None:
             self._refused.append(
                 Finished(request.rid, request.tokens.size, 0, None, 0.0, str(error))
             )
             return
-        self.waiting.append(_Waiting(request, self.tree.key(request.tokens)))
+        self.waiting.append(_Waiting(request, self.tree.key(request.tokens), arrived))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._refused or self._parked)
@@ -352,7 +367,8 @@ class Engine:
     def step(self) -> list[Finished]:
         """Settle finished copies, admit what fits, run one packed forward, insert what it
         computed, finish the requests it completed."""
-        started = time.perf_counter()
+        started = self.clock.now()
+        before = self._moved()
         self._settle()
         finished = self._admit(started)
         if not self.running:
@@ -380,7 +396,16 @@ class Engine:
             self.loads.end_forward()
         if self.pool.device.type == "cuda":
             torch.cuda.synchronize(self.pool.device)
-        now = time.perf_counter()
+        after = self._moved()
+        self.load_wait_s += self.clock.charge(
+            StepWork(
+                computed_tokens=sum(extend for _, extend in chosen),
+                h2d_bytes=after[0] - before[0],
+                d2h_bytes=after[1] - before[1],
+                load_wait_s=after[2] - before[2],
+            )
+        )
+        now = self.clock.now()
         offset = 0
         for i, (run, extend) in enumerate(chosen):
             run.done_len += extend
@@ -414,13 +439,13 @@ class Engine:
         self.tree.check()
         self.allocator.check()
         self.ledger.check()
-        P = self.config.page_size
         held = sum(int((~self.tree.holds(r.own_pages())).sum()) for r in self.running)
-        inflight = sum(r.key.num_full_pages - r.inserted_len // P for r in self.running)
-        if sum(self._inflight.values()) != inflight:
-            raise AssertionError(
-                f"in-flight page keys {sum(self._inflight.values())} != {inflight}"
-            )
+        for r in self.running:
+            if not r.cached_len <= r.inserted_len <= r.done_len <= len(r.key):
+                raise AssertionError(
+                    f"request {r.request.rid}: cached {r.cached_len}, inserted "
+                    f"{r.inserted_len}, done {r.done_len} of {len(r.key)} out of order"
+                )
         if self.allocator.num_used != self.tree.num_pages + held:
             raise AssertionError(
                 f"device pages used {self.allocator.num_used} != tree {self.tree.num_pages} + "
@@ -453,6 +478,14 @@ class Engine:
 
     def transfer_stats(self) -> TransferStats | None:
         return self.transfer.stats() if self.transfer is not None else None
+
+    def _moved(self) -> tuple[int, int, float]:
+        """Bytes submitted host -> device and device -> host, and the measured load-back wait,
+        so far (what the clock charges a step by)."""
+        if self.transfer is None or self.loads is None:
+            return 0, 0, 0.0
+        stats = self.transfer.stats()
+        return stats.h2d_submitted_bytes, stats.d2h_submitted_bytes, self.loads.stats.wait_s
 
     # -- copies: the frontier and the per-layer hooks --------------------------------------------
 
@@ -538,7 +571,7 @@ class Engine:
         passed: list[_Waiting] = []
         while self.waiting and len(self.running) < cfg.max_batch_requests and budget > 0:
             waiting = self.waiting.popleft()
-            request, key = waiting
+            request, key, arrived_at = waiting
             if self._computing_now(key):
                 passed.append(waiting)
                 self.deferred += 1
@@ -546,15 +579,16 @@ class Engine:
             if self.disk is not None and self._start_reload(waiting):
                 continue  # parked until the disk read lands; the others go on
             try:
-                run = self._try_start(request, key, now)
+                run = self._try_start(request, key, arrived_at, now)
             except RequestError as error:
-                failed.append(Finished(request.rid, len(key), 0, None, 0.0, str(error)))
+                failed.append(
+                    Finished(request.rid, len(key), 0, None, now - arrived_at, str(error))
+                )
                 continue
             if run is None:
                 self.waiting.appendleft(waiting)
                 break  # wait for running requests (or pending backups) to release pages
             self.running.append(run)
-            self._track(run, run.cached_len // cfg.page_size, +1)
             budget -= min(cfg.chunk_size, len(key) - run.done_len)
         self.waiting.extendleft(reversed(passed))
         return failed
@@ -570,7 +604,7 @@ class Engine:
 
     def _start_reload(self, waiting: _Waiting) -> bool:
         """Park ``waiting`` behind a reload of the pages the tree misses that the disk holds."""
-        request, key = waiting
+        request, key = waiting.request, waiting.key
         if request.rid in self._reload_tried:
             return False
         self._reload_tried.add(request.rid)
@@ -610,29 +644,32 @@ class Engine:
 
     def _computing_now(self, key: TokenKey) -> bool:
         """Whether a running request is computing the first page ``key`` would compute and
-        could reuse (not the page of its own last token, which it recomputes anyway)."""
-        if not self._inflight:
+        could reuse (not the page of its own last token, which it recomputes anyway).
+
+        Page keys are prefix-closed and fold in the length, so a running request computes that
+        page exactly when its key at the same position is equal and it has not inserted the
+        page yet: one comparison per running request, and nothing to update as chunks finish.
+        """
+        if not self.running:
             return False
         P = self.config.page_size
         m = min(self.tree.match_length(key), self._reusable_len(len(key))) // P
-        return m < (len(key) - 1) // P and key.page_keys.item(m) in self._inflight
+        if m >= (len(key) - 1) // P:
+            return False
+        k = key.page_keys.item(m)
+        return any(
+            r.inserted_len // P <= m < r.key.num_full_pages and r.key.page_keys.item(m) == k
+            for r in self.running
+        )
 
     def _reusable_len(self, n: int) -> int:
         """The longest cached prefix a request of ``n`` tokens may use: whole pages, and never
         its last token (a prefill needs that token's logits)."""
         return (n - 1) // self.config.page_size * self.config.page_size
 
-    def _track(self, run: _Running, first: int, sign: int, last: int | None = None) -> None:
-        """Count (``sign`` +1) or uncount (-1) the keys of full pages ``[first, last)`` of
-        ``run`` as being computed."""
-        for k in run.key.page_keys[first:last].tolist():
-            count = self._inflight.get(k, 0) + sign
-            if count:
-                self._inflight[k] = count
-            else:
-                del self._inflight[k]
-
-    def _try_start(self, request: Request, key: TokenKey, now: float) -> _Running | None:
+    def _try_start(
+        self, request: Request, key: TokenKey, arrived_at: float, now: float
+    ) -> _Running | None:
         P = self.config.page_size
         tree, allocator = self.tree, self.allocator
         n = len(key)
@@ -683,7 +720,9 @@ class Engine:
             host_len=host_len,
             done_len=cached_len,
             inserted_len=cached_len,
+            arrived_at=arrived_at,
             entered_at=now,
+            load_wait_at_entry=self.load_wait_s,
             keep_logits=request.rid in self.keep_logits,
             keep_all_logits=request.rid in self.keep_all_logits,
         )
@@ -754,7 +793,9 @@ class Engine:
             return
         key = run.key.prefix(upto)
         span = page_span(upto, P)
-        result = self.tree.insert(key, run.pages[:span], run.inserted_len)
+        # The tree has held the first inserted_len tokens, locked, since this request matched or
+        # inserted them: only this chunk's tokens need comparing.
+        result = self.tree.insert(key, run.pages[:span], run.inserted_len, run.inserted_len)
         run.pages[:span] = result.pages  # the tree's own pages where it had them
         if result.free_pages.size:
             still_read = np.isin(result.free_pages, result.pages)
@@ -778,7 +819,6 @@ class Engine:
                         res.host_pages[:full],
                     )
                 )
-        self._track(run, run.inserted_len // P, -1, upto // P)
         run.inserted_len = upto
 
     def _snapshot(self, run: _Running) -> torch.Tensor | None:
@@ -811,11 +851,18 @@ class Engine:
                 )
 
     def _finish(self, run: _Running, now: float) -> Finished:
-        P = self.config.page_size
         self._hashes.pop(run.request.rid, None)
         self._reload_tried.discard(run.request.rid)
-        self._track(run, run.inserted_len // P, -1)
         payload = self._snapshot(run) if run.keep_logits else None
+        handoff = None
+        if run.request.rid in self.keep_handoff:
+            self.keep_handoff.discard(run.request.rid)
+            handoff = export_handoff(
+                self.pool, run.request.rid, run.pages, len(run.key), self.rank, self.cp,
+                self.fingerprint,
+            )  # fmt: skip
+        logits, draft_logits = _split_draft(run.logits, self.has_draft)
+        all_logits = torch.cat(run.logit_chunks) if run.logit_chunks else None
         if run.duplicates:
             self.allocator.free(np.unique(np.concatenate(run.duplicates)))
         self.tree.unlock(run.node)
@@ -823,9 +870,23 @@ class Engine:
             rid=run.request.rid,
             prompt_len=len(run.key),
             cached_len=run.cached_len,
-            logits=run.logits,
-            ttft_s=now - run.entered_at,
+            logits=logits,
+            ttft_s=now - run.arrived_at,
             payload=payload,
-            all_logits=torch.cat(run.logit_chunks) if run.logit_chunks else None,
+            all_logits=_split_draft(all_logits, self.has_draft)[0],
             host_len=run.host_len,
+            queue_s=run.entered_at - run.arrived_at,
+            load_wait_s=self.load_wait_s - run.load_wait_at_entry,
+            draft_logits=draft_logits,
+            handoff=handoff,
         )
+
+
+def _split_draft(
+    logits: torch.Tensor | None, has_draft: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Target and draft logits of a :class:`~kvstrata.model.compute.PairCompute` (``[..., 2, V]``);
+    a single model's pass through with no draft."""
+    if logits is None or not has_draft:
+        return logits, None
+    return logits[..., 0, :], logits[..., 1, :]

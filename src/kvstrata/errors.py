@@ -132,3 +132,8 @@ class DivergenceError(KVStrataError):
 
 class RequestError(KVStrataError):
     """One request cannot be served; the other requests of its batch are unaffected."""
+
+
+class HandoffError(KVStrataError):
+    """A prefill -> decode handoff that cannot be assembled: another layout, a page or rank
+    missing or doubled (:mod:`kvstrata.handoff`)."""

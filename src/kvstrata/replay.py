@@ -24,32 +24,38 @@ import ctypes
 import itertools
 import os
 import platform
+import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from . import __version__
+from .arrivals import ArrivalSpec, ArrivalTimes
 from .cache.radix import TreeStats
+from .clock import Clock, CostModel, make_clock
 from .config import KVLayout
 from .dist.group import Group, SoloGroup
 from .dist.launch import run_ranks, torchrun_group, under_torchrun
 from .engine import Engine, EngineConfig, Finished
 from .errors import ConfigError, DivergenceError
 from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
+from .metrics import CacheMetrics, MetricsServer, RequestTotals
 from .model.attention import ATTENTION_BACKENDS, PagedAttention
 from .model.compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
 from .progress import Progress
 from .residency import Tier
-from .workloads import DEFAULT_VOCAB_SIZE, Request, SkippedLine, Workload, load_workload
+from .workloads import DEFAULT_VOCAB_SIZE, Request, SkippedLine, load_workload
 
-SUMMARY_SCHEMA = 1
+#: 2: TTFT counts from each request's arrival (``ttft_ms`` gains ``mean``), with ``ttft_parts_ms``,
+#: ``ttft_by_hit_ms``, ``clock`` and ``arrivals``.
+SUMMARY_SCHEMA = 2
 #: Failed requests and skipped trace lines a summary lists by message (the counts are complete).
 LISTED_ERRORS = 20
 _MAX_SEED = 2**64 - 1  # torch generators take seeds up to 2**64 - 1
@@ -71,6 +77,11 @@ class ReplayConfig:
     seed: int = 0
     threads: int | None = None  # torch intra-op threads while replaying; None leaves torch's
     lookahead: int | None = None  # requests read ahead of the engine; None: 2 x max_batch_requests
+    arrivals: ArrivalSpec = field(default_factory=ArrivalSpec)  # None kind: from the workload
+    clock: str = "auto"  # auto (sim with model "none", else wall), wall or sim
+    cost: CostModel | None = None  # the simulated clock's; None: the device's measured defaults
+    metrics_port: int | None = None  # serve Prometheus metrics on this port (0: any free one)
+    metrics_host: str = "127.0.0.1"
     cp: int = 1  # context-parallel ranks (local processes, or torchrun's world)
     cp_timeout_s: float = 300.0  # every collective's timeout: a dead or hung rank fails the run
     attention: str = "auto"  # the model's attention backend (kvstrata.model.attention)
@@ -107,6 +118,15 @@ class ReplayConfig:
             raise ConfigError(f"--verify takes a number of requests >= 0, got {self.verify}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be >= 1, got {self.limit}")
+        if self.clock not in ("auto", "wall", "sim"):
+            raise ConfigError(f"--clock must be auto, wall or sim, got {self.clock!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must lie in [0, 65535], got {self.metrics_port}")
+        if not self.metrics_host.strip():
+            raise ConfigError(
+                "--metrics-host must name an address (127.0.0.1 by default; 0.0.0.0 for every "
+                "interface)"
+            )
         if self.lookahead is not None and self.lookahead < self.engine.max_batch_requests:
             raise ConfigError(
                 f"--lookahead ({self.lookahead}) must be >= --max-batch-requests "
@@ -240,7 +260,7 @@ class ReplaySummary:
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
-    seconds: float
+    seconds: float  # wall time in the engine
     ttft_ms: dict[str, float]
     pool_pages: int
     pool_pages_used_peak: int
@@ -256,6 +276,13 @@ class ReplaySummary:
     total_requests: int = 0
     tiers: TierReport | None = None  # what the L2 host tier did (None without one)
     tree: TreeStats | None = None  # the radix tree's own size at the end
+    # TTFT's parts (queue wait, load-back wait, compute), and TTFT of requests served partly from
+    # the cache against those computed whole: {name: {mean, p50, p90, p99}} in ms.
+    ttft_parts_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    ttft_by_hit_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    clock: dict[str, Any] = field(default_factory=dict)  # kind, seconds (its time at the end), cost
+    arrivals: str = "burst"
+    cpu_seconds: float = 0.0  # CPU time of the replay's thread in the engine
     rank: int = 0  # the CP rank that wrote this summary (only rank 0's is printed)
 
     @property
@@ -290,7 +317,12 @@ class ReplaySummary:
             "computed_tokens": self.computed_tokens,
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "ttft_ms": self.ttft_ms,
+            "ttft_parts_ms": self.ttft_parts_ms,
+            "ttft_by_hit_ms": self.ttft_by_hit_ms,
+            "arrivals": self.arrivals,
+            "clock": self.clock,
             "seconds": round(self.seconds, 3),
+            "cpu_seconds": round(self.cpu_seconds, 3),
             "steps": self.steps,
             "pool": {
                 "pages": self.pool_pages,
@@ -321,10 +353,22 @@ class ReplaySummary:
             ("hit ratio", f"{self.hit_ratio:.4f}"),
             ("computed tokens", f"{self.computed_tokens:,}"),
             ("prefill tokens/s", f"{self.prefill_tokens_per_s:,.0f}"),
+            ("arrivals, clock", f"{self.arrivals}, {self.describe_clock()}"),
             (
                 "TTFT p50/p90/p99 ms",
                 f"{self.ttft_ms['p50']:.2f} / {self.ttft_ms['p90']:.2f} / {self.ttft_ms['p99']:.2f}",
             ),
+        ]
+        if self.ttft_parts_ms:
+            parts = self.ttft_parts_ms
+            rows.append(
+                (
+                    "TTFT mean ms: queue + load + compute",
+                    f"{self.ttft_ms['mean']:.2f} = {parts['queue']['mean']:.2f} + "
+                    f"{parts['load_back']['mean']:.2f} + {parts['compute']['mean']:.2f}",
+                )
+            )
+        rows += [
             (
                 "pool pages used (peak / end / total)",
                 f"{self.pool_pages_used_peak:,} / {self.pool_pages_cached_end:,} / {self.pool_pages:,}",
@@ -354,6 +398,18 @@ class ReplaySummary:
             rows.append((f"verify ({self.verify.requests} requests)", self.verify.describe()))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {val}" for k, val in rows)
+
+    def describe_clock(self) -> str:
+        """The clock the times are on, in words."""
+        if not self.clock:
+            return "wall"
+        if self.clock["kind"] == "wall":
+            return f"wall, {self.clock['seconds']:,.1f} s"
+        cost = self.clock["cost"]
+        return (
+            f"simulated {self.clock['seconds']:,.1f} s ({cost['tokens_per_s']:,.0f} tokens/s, "
+            f"h2d {cost['h2d_gbps']:g} / d2h {cost['d2h_gbps']:g} GB/s)"
+        )
 
     def problems(self) -> list[str]:
         """The failed requests and skipped trace lines, one line each, cut at
@@ -434,11 +490,16 @@ def _check_memory(cfg: ReplayConfig, shape: _Shape) -> None:
         check_fits(cpu_parts, torch.device("cpu"), hint="lower --l1-tokens or the L2 size")
 
 
-def _percentiles(values: Sequence[float]) -> dict[str, float]:
+def _percentiles(values: Sequence[float] | np.ndarray, mean: bool = False) -> dict[str, float]:
+    """p50/p90/p99 (and the mean) of seconds, in ms rounded to the µs."""
+    out = {"mean": 0.0} if mean else {}
     if not len(values):
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
-    q = np.percentile(np.array(values) * 1e3, [50, 90, 99])
-    return {
+        return out | {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    ms = np.asarray(values, dtype=np.float64) * 1e3
+    q = np.percentile(ms, [50, 90, 99])
+    if mean:
+        out["mean"] = round(float(ms.mean()), 3)
+    return out | {
         "p50": round(float(q[0]), 3),
         "p90": round(float(q[1]), 3),
         "p99": round(float(q[2]), 3),
@@ -501,7 +562,12 @@ class _Tally:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
-    ttft_s: array[float] = field(default_factory=lambda: array("d"))  # 8 bytes per request
+    l2_cached_tokens: int = 0
+    # Per served request (25 bytes each): TTFT, its queue and load-back parts, whether it hit.
+    ttft_s: array[float] = field(default_factory=lambda: array("d"))
+    queue_s: array[float] = field(default_factory=lambda: array("d"))
+    load_wait_s: array[float] = field(default_factory=lambda: array("d"))
+    hit: array[int] = field(default_factory=lambda: array("b"))
     errors: list[str] = field(default_factory=list)  # the first LISTED_ERRORS
 
     def add(self, f: Finished) -> None:
@@ -514,7 +580,35 @@ class _Tally:
         self.prompt_tokens += f.prompt_len
         self.cached_tokens += f.cached_len
         self.computed_tokens += f.computed_len
+        self.l2_cached_tokens += f.host_len
         self.ttft_s.append(f.ttft_s)
+        self.queue_s.append(f.queue_s)
+        self.load_wait_s.append(f.load_wait_s)
+        self.hit.append(f.cached_len > 0)
+
+    def totals(self) -> RequestTotals:
+        return RequestTotals(
+            self.requests, self.failed, self.prompt_tokens, self.cached_tokens, self.computed_tokens
+        )
+
+    def ttft_parts_ms(self) -> dict[str, dict[str, float]]:
+        ttft, queue, load = (
+            np.frombuffer(a, dtype=np.float64)
+            for a in (self.ttft_s, self.queue_s, self.load_wait_s)
+        )
+        return {
+            "queue": _percentiles(queue, mean=True),
+            "load_back": _percentiles(load, mean=True),
+            "compute": _percentiles(ttft - queue - load, mean=True),
+        }
+
+    def ttft_by_hit_ms(self) -> dict[str, dict[str, float]]:
+        ttft = np.frombuffer(self.ttft_s, dtype=np.float64)
+        hit = np.frombuffer(self.hit, dtype=np.int8).astype(bool)
+        return {
+            name: {"requests": int(mask.sum())} | _percentiles(ttft[mask], mean=True)
+            for name, mask in (("cached", hit), ("recomputed", ~hit))
+        }
 
 
 #: Engine steps between returns of freed heap memory to the OS (see :func:`release_free_heap`).
@@ -547,15 +641,62 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 _MALLOC_TRIM = _find_malloc_trim()
 
 
+class EngineTimer:
+    """Wall and CPU time (of the calling thread) spent in the engine: the CPU time is the
+    steadier figure on a machine other processes share."""
+
+    def __init__(self) -> None:
+        self.wall_s = 0.0
+        self.cpu_s = 0.0
+        self._wall = self._cpu = 0.0
+
+    def start(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+
+    def stop(self) -> None:
+        self.wall_s += time.perf_counter() - self._wall
+        self.cpu_s += time.thread_time() - self._cpu
+
+
+class ReplayObserver(Protocol):
+    """Watches a replay: the report's timeline and tests plug in here. Called outside the
+    engine lock, from the replay's own thread."""
+
+    def on_start(self, run: ReplayRun) -> None: ...
+
+    def on_step(self, run: ReplayRun) -> None: ...
+
+    def on_end(self, run: ReplayRun) -> None:
+        """After the last step and the final drain; the metrics endpoint still serves."""
+        ...
+
+
+@dataclass
+class ReplayRun:
+    """A replay in progress: what observers see."""
+
+    config: ReplayConfig
+    engine: Engine
+    tally: _Tally
+    clock: Clock
+    lock: threading.Lock  # held around every engine call; a metrics scrape takes it too
+    metrics_url: str | None = None
+
+
 def run_replay(
-    cfg: ReplayConfig, progress: bool = True, compute: Compute | None = None
+    cfg: ReplayConfig,
+    progress: bool = True,
+    compute: Compute | None = None,
+    observers: Sequence[ReplayObserver] = (),
 ) -> ReplaySummary:
     """Replay ``cfg.workload`` and return the summary (also used by tests and benchmarks).
 
-    The workload streams: at most ``cfg.lookahead`` requests (default twice
-    ``max_batch_requests``) are read ahead of the engine, counting those waiting and running, and
-    a finished request is folded into the summary's totals and dropped. Memory therefore holds the
-    cache plus the requests in flight, whatever the workload's length.
+    Requests enter the engine at their arrival time on the engine's clock (``cfg.arrivals``), and
+    at most ``cfg.lookahead`` requests (default twice ``max_batch_requests``) are read ahead of
+    the engine, counting those waiting and running; a finished request is folded into the
+    summary's totals and dropped. Memory therefore holds the cache plus the requests in flight,
+    whatever the workload's length. With ``cfg.metrics_port`` the engine's Prometheus metrics are
+    served meanwhile.
 
     Runs with ``cfg.threads`` torch intra-op threads (restored afterwards). A KeyboardInterrupt
     while requests run ends the replay early: the summary covers the requests finished so far
@@ -564,26 +705,40 @@ def run_replay(
     if cfg.cp > 1 or under_torchrun():
         if compute is not None:
             raise ConfigError("a compute object cannot be shared by context-parallel ranks")
+        if observers or cfg.metrics_port is not None:
+            raise ConfigError(
+                "--report and --metrics-port watch one engine; run them without context "
+                "parallelism (--cp 1)"
+            )
         if under_torchrun():  # this process is one rank of torchrun's world
             group = torchrun_group(cfg.engine.device, cfg.cp_timeout_s)
             return _rank_main(group, cfg, progress)
         ranks = run_ranks(cfg.cp, _rank_main, (cfg, progress), cfg.engine.device, cfg.cp_timeout_s)
         summary: ReplaySummary = ranks[0]
         return summary
-    return _rank_main(SoloGroup(), cfg, progress, compute)
+    return _rank_main(SoloGroup(), cfg, progress, compute, observers)
 
 
 def _rank_main(
-    group: Group, cfg: ReplayConfig, progress: bool, compute: Compute | None = None
+    group: Group,
+    cfg: ReplayConfig,
+    progress: bool,
+    compute: Compute | None = None,
+    observers: Sequence[ReplayObserver] = (),
 ) -> ReplaySummary:
     """One rank's replay (the only one without CP)."""
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        return _run(cfg, progress and group.rank == 0, compute, group)
+        return _run(cfg, progress and group.rank == 0, compute, group, observers)
     finally:
         torch.set_num_threads(threads_before)
+
+
+def cost_model(cfg: ReplayConfig) -> CostModel:
+    """The simulated clock's cost model: ``cfg.cost``, or the device's measured defaults."""
+    return cfg.cost or CostModel.for_device(cfg.engine.device)
 
 
 def _agree_on_config(group: Group, cfg: ReplayConfig) -> None:
@@ -601,7 +756,13 @@ def _agree_on_config(group: Group, cfg: ReplayConfig) -> None:
                 )
 
 
-def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None, group: Group) -> ReplaySummary:
+def _run(
+    cfg: ReplayConfig,
+    progress: bool,
+    compute: Compute | None,
+    group: Group,
+    observers: Sequence[ReplayObserver] = (),
+) -> ReplaySummary:
     _agree_on_config(group, cfg)
     shape = _shape(cfg, compute)
     # Under CP a request spreads over every rank's pool, so cp pools bound its length.
@@ -623,64 +784,37 @@ def _run(cfg: ReplayConfig, progress: bool, compute: Compute | None, group: Grou
                 f" ({workload.num_skipped} malformed lines skipped)" if workload.num_skipped else ""
             )
             raise ConfigError(f"workload {cfg.workload!r} has no requests{skipped}")
+        arrivals = cfg.arrivals.resolve(first)
         requests = itertools.chain([first], stream)
+    else:  # rank 0 decides when requests arrive; the others only stamp what it sends
+        arrivals = ArrivalSpec("burst", None, cfg.arrivals.time_scale)
+    cost = cost_model(cfg)
     _check_memory(cfg, shape)
     compute = compute or build_compute(cfg)
+    clock = make_clock(cfg.clock, cfg.model, cost)
     model_id = f"none:{cfg.kv_width}:{cfg.vocab_size}" if cfg.model == "none" else cfg.model
-    engine = Engine(compute, cfg.engine, group=group, model_id=model_id)
-    try:
-        return _replay(cfg, progress, compute, group, engine, workload, requests)
-    finally:
-        engine.close()
-
-
-def _replay(
-    cfg: ReplayConfig,
-    progress: bool,
-    compute: Compute,
-    group: Group,
-    engine: Engine,
-    workload: Workload | None,
-    requests: Iterator[Request] | None,
-) -> ReplaySummary:
+    engine = Engine(compute, cfg.engine, group=group, clock=clock, model_id=model_id)
     sample = VerifySample(cfg.verify, cfg.seed, engine.keep_logits)
     tally = _Tally()
-    lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
-    read = 0  # requests read from the workload
-    interrupted = False
-    seconds = 0.0  # engine time only: reading or generating the workload is not prefill
+    run = ReplayRun(cfg, engine, tally, clock, threading.Lock())
+    server = None
+    if cfg.metrics_port is not None:
+        from prometheus_client import CollectorRegistry  # an extra: imported when asked for
+
+        registry = CollectorRegistry()
+        CacheMetrics(registry, engine, run.lock, tally.totals)
+        server = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port)
+        run.metrics_url = server.url
     try:
+        feed = _Feed(group, requests, ArrivalTimes(arrivals, cfg.seed), clock)
         total = workload.num_requests if workload is not None else None
-        with Progress("replay", total, enabled=progress) as bar:
-            while True:
-                want = lookahead - (read - tally.requests)
-                if requests is not None and want > 0:
-                    batch, more = _next_requests(group, requests, want)
-                    if not more:
-                        requests = None
-                    read += len(batch)
-                    while batch:  # hand each request over and drop it: none outlives the window
-                        request = batch.pop(0)
-                        sample.offer(request)
-                        engine.add(request)
-                        del request
-                if not engine.has_work():
-                    break
-                start = time.perf_counter()
-                done = engine.step()
-                seconds += time.perf_counter() - start
-                if engine.steps % TRIM_EVERY_STEPS == 0:
-                    release_free_heap()
-                for f in done:
-                    tally.add(f)
-                    sample.collect(f)
-                bar.update(len(done), sum(f.computed_len for f in done))
-    except KeyboardInterrupt:
-        interrupted = True
-    if not interrupted:
-        start = time.perf_counter()
-        engine.drain()  # settle the copies still in flight, so the tiers report final state
-        seconds += time.perf_counter() - start
+        interrupted, timer, read = _drive(cfg, run, feed, sample, observers, progress, total)
+        for observer in observers:
+            observer.on_end(run)
+    finally:
+        if server is not None:
+            server.close()
+        engine.close()  # the disk tier's threads and files
 
     verify = VerifyReport()
     if not interrupted and group.rank == 0:  # recomputing without the cache needs no peers
@@ -689,14 +823,16 @@ def _replay(
             verify = _verify(cfg, compute, sampled, sample.requests, progress)
         except KeyboardInterrupt:
             interrupted = True
+    lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
     return ReplaySummary(
         requests=tally.requests,
         failed=tally.failed,
         prompt_tokens=tally.prompt_tokens,
         cached_tokens=tally.cached_tokens,
         computed_tokens=tally.computed_tokens,
-        seconds=seconds,
-        ttft_ms=_percentiles(tally.ttft_s),
+        seconds=timer.wall_s,
+        cpu_seconds=timer.cpu_s,
+        ttft_ms=_percentiles(tally.ttft_s, mean=True),
         pool_pages=engine.allocator.num_pages,
         pool_pages_used_peak=engine.peak_pages_used,
         pool_pages_cached_end=engine.tree.num_pages,
@@ -730,6 +866,9 @@ def _replay(
             "verify": cfg.verify,
             "seed": cfg.seed,
             "threads": torch.get_num_threads(),
+            "arrivals": arrivals.describe(),
+            "time_scale": arrivals.time_scale,
+            "clock": clock.kind,
             "cp": group.size,
             "cp_attention": cfg.engine.cp_attention if group.size > 1 else None,
             "cp_attention_steps": dict(engine.strategy_steps),
@@ -743,33 +882,151 @@ def _replay(
         total_requests=(workload.num_requests if workload is not None else None) or read,
         tiers=TierReport.of(engine),
         tree=engine.tree.stats(),
+        ttft_parts_ms=tally.ttft_parts_ms(),
+        ttft_by_hit_ms=tally.ttft_by_hit_ms(),
+        clock={
+            "kind": clock.kind,
+            "seconds": round(clock.now(), 6),
+            "cost": asdict(cost) if clock.kind == "sim" else None,
+        },
+        arrivals=arrivals.describe(),
         rank=group.rank,
     )
 
 
-def _next_requests(
-    group: Group, requests: Iterator[Request], count: int
-) -> tuple[list[Request], bool]:
-    """Up to ``count`` more requests, read by rank 0 and broadcast to every rank; and whether the
-    workload has more. ``count`` comes from replicated counters, so every rank calls this at the
-    same points."""
-    batch: list[Request] = []
-    more = True
-    if group.rank == 0:
-        for request in itertools.islice(requests, count):
-            batch.append(request)
-        more = len(batch) == count
-    if group.size == 1:
-        return batch, more
-    sent = group.broadcast_object(
-        ([(r.rid, r.tokens, r.arrival_ms) for r in batch], more), "workload"
-    )
-    return [Request(rid, tokens, arrival) for rid, tokens, arrival in sent[0]], sent[1]
+class _Feed:
+    """Hands the replay the requests that have arrived, the same ones on every rank.
+
+    Rank 0 reads the workload, gives each request its arrival time, and decides by its clock
+    which have arrived; under context parallelism it broadcasts them, with their arrival times
+    and when the next one comes, so every rank adds the same requests at the same step.
+    """
+
+    def __init__(
+        self,
+        group: Group,
+        requests: Iterator[Request] | None,
+        arrival_times: ArrivalTimes,
+        clock: Clock,
+    ) -> None:
+        self.group = group
+        self.requests = requests
+        self.arrival_times = arrival_times
+        self.clock = clock
+        self.pending: tuple[Request, float] | None = None  # read, not arrived yet
+        self.more = True
+
+    def take(self, count: int, idle: bool) -> tuple[list[tuple[Request, float]], float | None]:
+        """Up to ``count`` arrived requests with their arrival times, and, when the engine is
+        ``idle`` and none has arrived, when the next one does (None: no more requests).
+        ``count`` and ``idle`` come from replicated state, so every rank calls this at the
+        same points."""
+        batch: list[tuple[Request, float]] = []
+        wake: float | None = None
+        if self.group.rank == 0:
+            while len(batch) < count:
+                if self.pending is None:
+                    request = next(self.requests, None) if self.requests is not None else None
+                    if request is None:
+                        self.requests = None
+                        break
+                    self.pending = (request, self.arrival_times.next(request))
+                if self.pending[1] > self.clock.now():
+                    break
+                batch.append(self.pending)
+                self.pending = None
+            self.more = self.pending is not None or self.requests is not None
+            if idle and not batch and self.pending is not None:
+                wake = self.pending[1]
+        if self.group.size == 1:
+            return batch, wake
+        sent = self.group.broadcast_object(
+            ([(r.rid, r.tokens, r.arrival_ms, t) for r, t in batch], wake, self.more), "workload"
+        )
+        self.more = sent[2]
+        return [(Request(rid, tok, ms), t) for rid, tok, ms, t in sent[0]], sent[1]
+
+
+def _drive(
+    cfg: ReplayConfig,
+    run: ReplayRun,
+    feed: _Feed,
+    sample: VerifySample,
+    observers: Sequence[ReplayObserver],
+    progress: bool,
+    total: int | None,
+) -> tuple[bool, EngineTimer, int]:
+    """The replay loop. Returns (interrupted, the time spent in the engine, requests read).
+
+    Each turn adds the requests that have arrived by now (the window permitting), then runs one
+    engine step; with nothing to run it lets the clock pass to the next arrival. Engine time is
+    spent in the engine (adding requests hashes them; stepping), not in reading or generating the
+    workload, nor idling between arrivals.
+    """
+    engine, tally, clock, lock = run.engine, run.tally, run.clock, run.lock
+    lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
+    read = 0  # requests added to the engine
+    timer = EngineTimer()
+    interrupted = False
+    for observer in observers:
+        observer.on_start(run)
+    try:
+        with Progress("replay", total, enabled=progress) as bar:
+            while True:
+                with lock:
+                    want = lookahead - (read - tally.requests)
+                    wake = None
+                    if feed.more and want > 0:
+                        batch, wake = feed.take(want, idle=not engine.has_work())
+                        read += len(batch)
+                        timer.start()
+                        while batch:  # hand each request over and drop it: none outlives it
+                            request, arrived_at = batch.pop(0)
+                            sample.offer(request)
+                            engine.add(request, arrived_at)
+                            del request
+                        timer.stop()
+                    if not engine.has_work():
+                        if wake is None and not feed.more:
+                            break
+                        if wake is not None:
+                            clock.wait_until(wake)  # idle: let time pass to the next arrival
+                        continue
+                    timer.start()
+                    done = engine.step()
+                    timer.stop()
+                if engine.steps % TRIM_EVERY_STEPS == 0:
+                    release_free_heap()
+                for f in done:
+                    tally.add(f)
+                    sample.collect(f)
+                for observer in observers:
+                    observer.on_step(run)
+                bar.update(len(done), sum(f.computed_len for f in done))
+    except KeyboardInterrupt:
+        interrupted = True
+    if not interrupted:
+        with lock:
+            timer.start()
+            engine.drain()  # settle the copies still in flight, so the tiers report final state
+            timer.stop()
+    return interrupted, timer, read
 
 
 def recompute_uncached(compute: Compute, config: EngineConfig, request: Request) -> torch.Tensor:
     """Last-token logits of ``request`` computed by a fresh engine with an empty cache (same
     page size and chunking), sized for that one request."""
+    finished = prefill_uncached(compute, config, request)
+    assert finished.logits is not None
+    return finished.logits
+
+
+def prefill_uncached(
+    compute: Compute, config: EngineConfig, request: Request, handoff: bool = False
+) -> Finished:
+    """``request`` prefilled by a fresh engine with an empty cache (same page size and
+    chunking), sized for that one request; its logits (and draft logits) kept, and with
+    ``handoff`` its KV exported."""
     P = config.page_size
     pool_tokens = page_span(request.tokens.size, P) * P
     fields = {
@@ -781,6 +1038,8 @@ def recompute_uncached(compute: Compute, config: EngineConfig, request: Request)
     }
     solo = Engine(compute, EngineConfig(**fields))
     solo.keep_logits = {request.rid}
+    if handoff:
+        solo.keep_handoff = {request.rid}
     solo.add(request)
     out: list[Finished] = []
     while solo.has_work():
@@ -788,7 +1047,7 @@ def recompute_uncached(compute: Compute, config: EngineConfig, request: Request)
     (finished,) = out
     if finished.error is not None or finished.logits is None:
         raise ConfigError(f"request {request.rid} cannot be recomputed: {finished.error}")
-    return finished.logits
+    return finished
 
 
 def _verify(

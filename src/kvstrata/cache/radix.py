@@ -340,27 +340,33 @@ class RadixTree:
         """The valid length ``match_prefix`` would return, without recording an access."""
         return self._descend(self.key(tokens))[1] * self.page_size
 
-    def _descend(self, key: TokenKey) -> tuple[list[Node], int]:
+    def _descend(self, key: TokenKey, confirmed_len: int = 0) -> tuple[list[Node], int]:
         """Nodes whose pages the full-page prefix of ``key`` matches, and how many pages match.
 
         Remembers its last answer: an ``insert`` right after the ``match_prefix`` of the same key,
-        with no structural change in between, does not walk again.
+        with no structural change in between, does not walk again. The tokens of the first
+        ``confirmed_len`` are known to match (see :meth:`insert`) and are not compared again.
         """
         memo = self._memo
         if memo is not None and memo[0] is key and memo[1] == self._version:
             return memo[2], memo[3]
         path, m = self._descend_by_keys(key)
-        if m and not self._confirm(key, path, m * self.page_size):
+        if m and not self._confirm(key, path, m * self.page_size, confirmed_len):
             self.hash_collisions += 1
             path, m = self._descend_exact(key)
         self._memo = (key, self._version, path, m)
         return path, m
 
     @staticmethod
-    def _confirm(key: TokenKey, path: list[Node], length: int) -> bool:
-        """Whether the tokens of ``path`` equal ``key``'s first ``length`` tokens."""
-        tokens = path[0].tokens if len(path) == 1 else np.concatenate([n.tokens for n in path])
-        return bool(np.array_equal(key.tokens[:length], tokens[:length]))
+    def _confirm(key: TokenKey, path: list[Node], length: int, skip: int = 0) -> bool:
+        """Whether the tokens of ``path`` equal ``key``'s tokens ``[skip, length)`` (the first
+        ``skip`` are known to; the path starts at token 0)."""
+        if skip >= length:
+            return True
+        rest = [n for n in path if n.end > skip]
+        tokens = rest[0].tokens if len(rest) == 1 else np.concatenate([n.tokens for n in rest])
+        lo = skip - rest[0].start
+        return bool(np.array_equal(key.tokens[skip:length], tokens[lo : lo + length - skip]))
 
     def _descend_by_keys(self, key: TokenKey) -> tuple[list[Node], int]:
         keys, nf, P = key.page_keys, key.num_full_pages, self.page_size
@@ -416,7 +422,13 @@ class RadixTree:
 
     # -- insert ----------------------------------------------------------------------------------
 
-    def insert(self, tokens: TokenKey | object, pages: IntArray, cached_len: int) -> InsertResult:
+    def insert(
+        self,
+        tokens: TokenKey | object,
+        pages: IntArray,
+        cached_len: int,
+        confirmed_len: int = 0,
+    ) -> InsertResult:
         """Insert a whole sequence whose KV sits in the device ``pages`` (one per page of its
         padded span).
 
@@ -429,6 +441,11 @@ class RadixTree:
         not hold, fresh pages it does hold, pages listed twice, ids out of range and (with an
         allocator) pages that were never allocated raise :class:`~kvstrata.errors.TreeUsageError`
         before anything changes.
+
+        ``confirmed_len`` (at most ``cached_len``) skips comparing tokens the caller knows the tree
+        holds: it matched or inserted them with these same tokens and has kept the node that ends
+        there locked since. A chunked prefill passes what it inserted so far, so each chunk's
+        insert compares its own tokens, not the whole context again.
         """
         key = self.key(tokens)
         P, n = self.page_size, len(key)
@@ -449,8 +466,12 @@ class RadixTree:
                 f"cached_len must be a page-aligned length <= {n}, got {cached_len!r} "
                 f"(page_size {P})"
             )
+        if not 0 <= confirmed_len <= cached_len:
+            raise ConfigError(
+                f"confirmed_len must lie in [0, cached_len {cached_len}], got {confirmed_len!r}"
+            )
         pages = pages.astype(np.int64, copy=False)
-        path, m = self._descend(key)
+        path, m = self._descend(key, confirmed_len)
         if cached_len > m * P:
             raise ConfigError(
                 f"cached_len {cached_len} exceeds the {m * P} tokens the tree holds for this key; "

@@ -87,6 +87,8 @@ class ForwardBatch:
         paths that gather a sequence (the CPU attention path, synthetic KV); :meth:`build` makes
         it lazily, on the device, on first use.
     last_index: ``[R]`` packed index of each request's last token (whose logits a prefill returns).
+    prefix_last_row: ``[R]`` pool row of each request's last cached token (-1 without a prefix);
+        set by :meth:`build` (the synthetic forward reads only this row of the prefix).
     cp: set under context parallelism: this rank's share (``kvstrata.dist``).
 
     What :meth:`build` adds for the paged attention kernel (a batch made otherwise, as the CP path
@@ -116,6 +118,7 @@ class ForwardBatch:
     page_table: torch.Tensor | None = None
     table_starts: torch.Tensor | None = None
     input_ids: torch.Tensor | None = None
+    prefix_last_row: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -201,6 +204,9 @@ class ForwardBatch:
         )
         write_index = _pool_rows(page_table, starts[request], positions, page_size)
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+        last_prefix_row = _pool_rows(
+            page_table, starts, (prefix_device - 1).clamp(min=0), page_size
+        )
         return cls(
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
@@ -209,7 +215,7 @@ class ForwardBatch:
             cu_seqlens=cu_seqlens,
             positions=positions,
             write_index=write_index,
-            read_index=_ReadRows(
+            read_index=ReadRows(
                 page_table, starts, cu_seqlens.diff() + prefix_device, seq_lens, page_size
             ),
             last_index=cu_seqlens[1:] - 1,
@@ -220,12 +226,15 @@ class ForwardBatch:
             page_table=page_table,
             table_starts=starts,
             input_ids=packed_ids if ids else None,
+            prefix_last_row=torch.where(prefix_device > 0, last_prefix_row, -1),
         )
 
 
-class _ReadRows(Sequence[torch.Tensor]):
-    """Per request, the pool rows of its whole sequence: built on the device on first use (the
-    Triton attention path never asks), by index arithmetic over the page tables."""
+class ReadRows(Sequence[torch.Tensor]):
+    """Per request, the pool rows of its whole sequence: built on the device on first use, by
+    index arithmetic over the page tables. The Triton attention path and the synthetic forward
+    (``--model none``) never ask, so their index work grows with the tokens they compute, not with
+    the contexts."""
 
     def __init__(
         self,
@@ -238,6 +247,10 @@ class _ReadRows(Sequence[torch.Tensor]):
         self._args = (page_table, table_starts, seq_device, page_size)
         self._seq_lens = seq_lens
         self._rows: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def built(self) -> bool:
+        return self._rows is not None
 
     def _all(self) -> tuple[torch.Tensor, ...]:
         if self._rows is None:

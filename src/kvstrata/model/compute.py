@@ -10,6 +10,7 @@ for byte.
 
 from __future__ import annotations
 
+import itertools
 from typing import Protocol
 
 import numpy as np
@@ -76,11 +77,63 @@ class ModelCompute:
         return None
 
 
+class PairCompute:
+    """A target model and its speculative draft, prefilled in the same forward on the same pages.
+
+    The draft's K/V are the payloads ``draft_k`` / ``draft_v`` of the target's pages (same owners,
+    same host and disk slots), so a cache hit restores both or neither. The draft runs first with
+    the load-back waits only; the target then runs with every hook, so a layer's write-through
+    backup starts once both models have written it. Logits come back ``[..., 2, vocab]``: the
+    target's at index 0, the draft's at 1.
+    """
+
+    def __init__(self, target: LlamaModel, draft: LlamaModel, dtype: torch.dtype) -> None:
+        self.target, self.draft = target, draft.use_payloads("draft_")
+        name = str(dtype).removeprefix("torch.")
+        self.layout = target.config.kv_layout(name, draft=draft.config)  # checks the pair
+        self.vocab_size = target.config.vocab_size
+        self.max_seq_len = min(
+            target.config.max_position_embeddings, draft.config.max_position_embeddings
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DevicePool,
+        all_logits: bool = False,
+        hooks: LayerHooks | None = None,
+    ) -> torch.Tensor:
+        mode = "all" if all_logits else "last"
+        waits = _WaitsOnly(hooks) if hooks is not None else None
+        draft = self.draft(input_ids, batch, pool, logits=mode, hooks=waits)
+        target = self.target(input_ids, batch, pool, logits=mode, hooks=hooks)
+        return torch.stack((target, draft), dim=-2)
+
+    def snapshot(self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int) -> None:
+        return None
+
+
+class _WaitsOnly:
+    """The load-back half of a forward's hooks: a layer's write-through is submitted once, by the
+    target's forward, after both models wrote it."""
+
+    def __init__(self, hooks: LayerHooks) -> None:
+        self._hooks = hooks
+
+    def before_layer(self, layer: int) -> None:
+        self._hooks.before_layer(layer)
+
+    def after_layer(self, layer: int) -> None:
+        pass
+
+
 # Like real KV, a synthetic token's bytes depend on every token before it: each token carries the
 # running state S_t = sum_{j <= t} (token_j + 1) * w(j) mod 2**31 in its first four bytes (little
 # endian), and every other byte mixes S_t with the token and the byte's lane. A page copied from
 # another prefix, or from another position, therefore carries the wrong bytes.
 _STATE_MOD = 1 << 31
+_STATE_MASK = _STATE_MOD - 1  # x mod 2**31 for any int64 x (two's complement)
 _POS_MULT = 0x9E3779B1
 _POS_ADD = 0x7F4A7C15
 _TOKEN_MULT = 0x85EBCA77
@@ -88,21 +141,34 @@ _LANE_MULT = 0x27D4EB2F
 _STATE_BYTES = 4
 
 
-def _token_terms(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _position_weights(positions: torch.Tensor) -> torch.Tensor:
+    """``w(position)``, odd and below 2**31."""
+    return ((positions * _POS_MULT + _POS_ADD) % _STATE_MOD) | 1
+
+
+def _token_terms(tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``(token + 1) * w(position) mod 2**31``; every factor stays below 2**32, the product below
     2**63, so int64 arithmetic is exact."""
-    weights = ((positions * _POS_MULT + _POS_ADD) % _STATE_MOD) | 1
     return ((tokens + 1) * weights) % _STATE_MOD
 
 
-def _payload_bytes(state: torch.Tensor, tokens: torch.Tensor, kv_width: int) -> torch.Tensor:
-    lanes = torch.arange(kv_width, device=state.device, dtype=torch.int64)
-    shift = ((lanes % _STATE_BYTES) * 8)[None, :]
-    mixed = state[:, None] ^ (
-        (tokens[:, None] * _TOKEN_MULT + lanes[None, :] * _LANE_MULT) % _STATE_MOD
-    )
-    mixed = torch.where(lanes[None, :] < _STATE_BYTES, state[:, None], mixed)
-    return ((mixed >> shift) & 0xFF).to(torch.uint8)
+def _payload_bytes(
+    state: torch.Tensor, tokens: torch.Tensor, kv_width: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[n, kv_width]`` uint8 (into ``out`` when given): the state's four little-endian bytes,
+    then lanes that mix the state with the token and the lane (one int64 temporary of them)."""
+    n = state.numel()
+    if out is None:
+        out = torch.empty((n, kv_width), dtype=torch.uint8, device=state.device)
+    shift = torch.arange(0, 8 * _STATE_BYTES, 8, device=state.device, dtype=torch.int64)
+    out[:, :_STATE_BYTES] = (state[:, None] >> shift) & 0xFF
+    if kv_width > _STATE_BYTES:
+        lanes = torch.arange(_STATE_BYTES, kv_width, device=state.device, dtype=torch.int64)
+        mixed = tokens[:, None] * _TOKEN_MULT + (lanes * _LANE_MULT)[None, :]
+        mixed.remainder_(_STATE_MOD).bitwise_xor_(state[:, None])
+        mixed.bitwise_right_shift_(((lanes % _STATE_BYTES) * 8)[None, :]).bitwise_and_(0xFF)
+        out[:, _STATE_BYTES:] = mixed
+    return out
 
 
 #: Tokens per chunk of :func:`synthetic_payload`: its int64 temporaries take about
@@ -126,10 +192,10 @@ def synthetic_payload(
     for lo in range(0, n, chunk_tokens):
         hi = min(n, lo + chunk_tokens)
         chunk = tokens[lo:hi].to(torch.int64)
-        positions = torch.arange(lo, hi, device=tokens.device)
+        weights = _position_weights(torch.arange(lo, hi, device=tokens.device))
         # (carry + partial sums) mod M equals the whole sequence's cumsum mod M: carry is it, mod M.
-        state = (torch.cumsum(_token_terms(chunk, positions), 0) + carry) % _STATE_MOD
-        out[lo:hi] = _payload_bytes(state, chunk, kv_width)
+        state = (torch.cumsum(_token_terms(chunk, weights), 0) + carry) % _STATE_MOD
+        _payload_bytes(state, chunk, kv_width, out=out[lo:hi])
         carry = state[-1]
     return out
 
@@ -147,6 +213,8 @@ class SyntheticCompute:
         self.vocab_size = vocab_size
         self.max_seq_len = 1 << 31
         self.layout = KVLayout(num_layers=1, payloads=(PayloadSpec("kv", (kv_width,), "uint8"),))
+        self._weight_table: torch.Tensor | None = None
+        self._rows: tuple[DevicePool, npt.NDArray[np.uint8]] | None = None
 
     def forward(
         self,
@@ -163,25 +231,96 @@ class SyntheticCompute:
             if hooks is not None:
                 hooks.after_layer(0)
             return None
-        rows = pool.token_view("kv", 0)
-        tokens = input_ids.to(torch.int64)
-        # One cumulative sum over the packed batch, rebased per request onto the state its cached
-        # prefix ends with (read back from the pool: the prefix was written by earlier forwards).
-        running = torch.cumsum(_token_terms(tokens, batch.positions), 0)
-        starts = torch.tensor(batch.cu_seqlens_host[:-1], device=tokens.device)
-        before = torch.where(starts > 0, running[(starts - 1).clamp(min=0)], 0)
-        prefix_state = torch.stack(
-            [
-                _decode_state(rows[read[prefix - 1]]) if prefix else tokens.new_zeros(())
-                for read, prefix in zip(batch.read_index, batch.prefix_lens, strict=True)
-            ]
-        )
-        lengths = torch.tensor(batch.extend_lens, device=tokens.device)
-        state = (running + torch.repeat_interleave(prefix_state - before, lengths)) % _STATE_MOD
-        rows.index_copy_(0, batch.write_index, _payload_bytes(state, tokens, self.kv_width))
+        # Only the row of each request's last cached token is read: the work grows with the
+        # tokens computed, not with the requests' contexts.
+        top = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens, strict=True))
+        weights = self._weights(top, pool.device)
+        if pool.device.type == "cpu":
+            self._forward_host(input_ids, batch, pool, weights)
+        else:
+            self._forward_device(input_ids, batch, pool, weights)
         if hooks is not None:
             hooks.after_layer(0)
         return None
+
+    def _forward_host(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, pool: DevicePool, table: torch.Tensor
+    ) -> None:
+        """The forward on a CPU pool, in numpy (a third of torch's per-op overhead per step)."""
+        rows = self._host_rows(pool)
+        tokens = input_ids.numpy().astype(np.int64, copy=False)
+        running = np.take(table.numpy(), batch.positions.numpy())
+        running *= tokens + 1
+        running &= _STATE_MASK
+        np.cumsum(running, out=running)
+        # Rebase each request's slice of the packed running sum onto its cached prefix's state:
+        #   state = prefix_state + (running - running just before the request's first token)
+        cu = batch.cu_seqlens_host
+        assert batch.prefix_last_row is not None, "build the batch with ForwardBatch.build"
+        last = batch.prefix_last_row.numpy()
+        cached = np.zeros(last.size, dtype=np.int64)
+        has_prefix = last >= 0
+        if has_prefix.any():
+            cached[has_prefix] = _read_states(rows, last[has_prefix])
+        before = [int(running[lo - 1]) if lo else 0 for lo in cu[:-1]]
+        for i, (lo, hi) in enumerate(itertools.pairwise(cu)):
+            running[lo:hi] += int(cached[i]) - before[i]
+        running &= _STATE_MASK
+        write = batch.write_index.numpy()
+        if self.kv_width % _STATE_BYTES == 0:  # 4-byte aligned rows: one scatter of uint32
+            rows.view("<u4")[:, 0][write] = running.astype("<u4")
+        else:
+            rows[write, :_STATE_BYTES] = running.astype("<u4").view(np.uint8).reshape(-1, 4)
+        if self.kv_width > _STATE_BYTES:
+            lanes = np.arange(_STATE_BYTES, self.kv_width, dtype=np.int64)
+            mixed = tokens[:, None] * _TOKEN_MULT + (lanes * _LANE_MULT)[None, :]
+            mixed &= _STATE_MASK
+            mixed ^= running[:, None]
+            mixed >>= ((lanes % _STATE_BYTES) * 8)[None, :]
+            mixed &= 0xFF
+            rows[write, _STATE_BYTES:] = mixed
+
+    def _host_rows(self, pool: DevicePool) -> npt.NDArray[np.uint8]:
+        """The pool's payload rows as a numpy view (made once per pool)."""
+        if self._rows is None or self._rows[0] is not pool:
+            self._rows = (pool, pool.token_view("kv", 0).numpy())
+        return self._rows[1]
+
+    def _forward_device(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, pool: DevicePool, table: torch.Tensor
+    ) -> None:
+        """The forward in torch ops, without a host sync (any device; CUDA uses it)."""
+        rows = pool.token_view("kv", 0)
+        tokens = input_ids.to(torch.int64)
+        running = torch.cumsum(_token_terms(tokens, table[batch.positions]), 0)
+        starts = batch.cu_seqlens[:-1]
+        before = torch.where(starts > 0, running[(starts - 1).clamp(min=0)], 0)
+        last = batch.prefix_last_row
+        assert last is not None, "build the batch with ForwardBatch.build"
+        prefix_state = torch.where(last >= 0, _decode_states(rows[last.clamp(min=0)]), 0)
+        lengths = torch.tensor(batch.extend_lens, device=tokens.device)
+        rebase = torch.repeat_interleave(prefix_state - before, lengths, output_size=tokens.numel())
+        state = (running + rebase) & _STATE_MASK
+        rows.index_copy_(0, batch.write_index, _payload_bytes(state, tokens, self.kv_width))
+
+    def _weights(self, num_positions: int, device: torch.device) -> torch.Tensor:
+        """``w(position)`` for positions ``[0, num_positions)`` at least, from a table grown on
+        demand (a gather per token instead of four int64 ops)."""
+        table = self._weight_table
+        if table is None or table.device != self._pool_device(device):
+            table = None  # another device: start over (comparing "cuda" with "cuda:0" is unequal)
+        if table is None or table.numel() < num_positions:
+            have = table.numel() if table is not None else 0
+            size = max(num_positions, 2 * have, 1 << 16)
+            table = self._weight_table = _position_weights(torch.arange(size, device=device))
+        return table
+
+    @staticmethod
+    def _pool_device(device: torch.device) -> torch.device:
+        """``device`` with its index, as tensors made on it report it."""
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def _forward_cp(self, batch: ForwardBatch, pool: DevicePool) -> None:
         """Under context parallelism: the running state of every extend token of the step (the
@@ -191,11 +330,11 @@ class SyntheticCompute:
         assert cp is not None
         rows = pool.token_view("kv", 0)
         tokens = cp.all_tokens.to(torch.int64)
-        running = torch.cumsum(_token_terms(tokens, cp.all_positions), 0)
+        running = torch.cumsum(_token_terms(tokens, _position_weights(cp.all_positions)), 0)
         held = cp.prefix_last_rows >= 0
         states = torch.zeros(cp.prefix_last_rows.numel(), dtype=torch.int64, device=tokens.device)
         for i in torch.nonzero(held).flatten().tolist():
-            states[i] = _decode_state(rows[int(cp.prefix_last_rows[i])])
+            states[i] = _decode_states(rows[int(cp.prefix_last_rows[i])][None])[0]
         states = cp.share(states)
         starts = torch.tensor(cp.ext_offsets[:-1], device=tokens.device)
         lengths = torch.tensor(
@@ -219,7 +358,15 @@ class SyntheticCompute:
         return pool.token_view("kv", 0).index_select(0, rows).cpu()
 
 
-def _decode_state(row: torch.Tensor) -> torch.Tensor:
-    """The prefix state stored in the first four bytes of a payload row."""
-    b = row[:_STATE_BYTES].to(torch.int64)
-    return b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24)
+def _read_states(
+    rows: npt.NDArray[np.uint8], row_ids: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """The prefix states stored in the first four bytes of payload rows (numpy, little endian)."""
+    head = np.ascontiguousarray(rows[row_ids, :_STATE_BYTES])
+    return head.view("<u4").ravel().astype(np.int64)
+
+
+def _decode_states(rows: torch.Tensor) -> torch.Tensor:
+    """The prefix states stored in the first four bytes of payload rows ``[R, kv_width]``."""
+    b = rows[:, :_STATE_BYTES].to(torch.int64)
+    return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)

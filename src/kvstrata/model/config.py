@@ -125,13 +125,17 @@ class ModelConfig:
         """Query heads that share one K/V head."""
         return self.num_heads // self.num_kv_heads
 
-    def kv_layout(self, dtype: str) -> KVLayout:
-        """The cache layout of this model: payloads ``k`` and ``v``, one token ``[num_kv_heads, head_dim]``."""
+    def kv_layout(self, dtype: str, draft: ModelConfig | None = None) -> KVLayout:
+        """The cache layout of this model: payloads ``k`` and ``v``, one token
+        ``[num_kv_heads, head_dim]``; with a speculative ``draft`` model, also ``draft_k`` and
+        ``draft_v`` of the draft's shape on the same pages (:func:`check_draft` first)."""
         token_shape = (self.num_kv_heads, self.head_dim)
-        return KVLayout(
-            num_layers=self.num_layers,
-            payloads=(PayloadSpec("k", token_shape, dtype), PayloadSpec("v", token_shape, dtype)),
-        )
+        payloads = [PayloadSpec("k", token_shape, dtype), PayloadSpec("v", token_shape, dtype)]
+        if draft is not None:
+            check_draft(self, draft)
+            shape = (draft.num_kv_heads, draft.head_dim)
+            payloads += [PayloadSpec("draft_k", shape, dtype), PayloadSpec("draft_v", shape, dtype)]
+        return KVLayout(num_layers=self.num_layers, payloads=tuple(payloads))
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
@@ -312,6 +316,26 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     return float(theta), scaling
 
 
+def check_draft(target: ModelConfig, draft: ModelConfig) -> None:
+    """Refuse a draft model that cannot share the target's pages and vocabulary.
+
+    The draft's K/V are further payloads of the target's pages, in the target's layer slots, so
+    it may have at most the target's layers; it proposes tokens the target scores, so the
+    vocabularies must be equal.
+    """
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the target's "
+            f"({target.vocab_size}): a speculative draft must share the target's tokenizer"
+        )
+    if draft.num_layers > target.num_layers:
+        raise ConfigError(
+            f"the draft model has {draft.num_layers} layers, more than the target's "
+            f"{target.num_layers}: its K/V live in the target's layer slots of each page; pick a "
+            "smaller draft"
+        )
+
+
 # Small enough for unit tests on one CPU core; the Qwen variants differ only where the
 # architecture does.
 _TINY = ModelConfig(
@@ -333,6 +357,10 @@ PRESETS: dict[str, ModelConfig] = {
         _TINY, architecture="qwen2", rope_theta=1000000.0, tie_word_embeddings=True, qkv_bias=True
     ),
     "tiny-qwen3": replace(_TINY, architecture="qwen3", rope_theta=1000000.0, qk_norm=True),
+    # A speculative draft for ``tiny``: its first layer. Preset weights are drawn per parameter
+    # name, so with the same seed it holds tiny's embedding, layer 0, norm and head (a
+    # layer-skipping self-speculative draft).
+    "tiny-draft": replace(_TINY, num_layers=1),
     # Big enough that a CPU prefill of 1k tokens is dominated by matmuls and attention, not Python.
     "small": ModelConfig(
         architecture="llama",

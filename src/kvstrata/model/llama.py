@@ -98,6 +98,7 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.payloads = ("k", "v")  # the pool payloads its K and V live in
 
     def forward(
         self,
@@ -115,14 +116,16 @@ class Attention(nn.Module):
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(k), cos, sin)
 
-        k_rows = pool.token_view("k", self.layer)
-        v_rows = pool.token_view("v", self.layer)
+        k_name, v_name = self.payloads
+        k_rows = pool.token_view(k_name, self.layer)
+        v_rows = pool.token_view(v_name, self.layer)
         k_rows.index_copy_(0, batch.write_index, k)
         v_rows.index_copy_(0, batch.write_index, v)
         if batch.cp is not None:  # other ranks hold part of the keys: they exchange them
             out = batch.cp.attend(q, k, v, k_rows, v_rows)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
-        out = attention(q, k, v, pool.buffer("k", self.layer), pool.buffer("v", self.layer), batch)
+        k_pages, v_pages = pool.buffer(k_name, self.layer), pool.buffer(v_name, self.layer)
+        out = attention(q, k, v, k_pages, v_pages, batch)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
@@ -183,6 +186,17 @@ class LlamaModel(nn.Module):
         self.inv_freq = rope_inv_freq(config)
         self.attention_backend: AttentionBackend = "auto"
         self.attention_kernel: AttentionKernelConfig | None = None
+        self.payload_prefix = ""
+
+    def use_payloads(self, prefix: str) -> LlamaModel:
+        """Keep K and V in the pool payloads ``{prefix}k`` / ``{prefix}v`` (a speculative draft
+        model shares the target's pages under ``draft_``; see :meth:`ModelConfig.kv_layout`);
+        returns self."""
+        self.payload_prefix = prefix
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.payloads = (f"{prefix}k", f"{prefix}v")
+        return self
 
     def use_attention(
         self, backend: str, kernel: AttentionKernelConfig | None = None
@@ -272,11 +286,11 @@ class LlamaModel(nn.Module):
             raise ConfigError(
                 f"the batch was built for page_size {batch.page_size}, the pool has {pool.page_size}"
             )
-        if pool.layout.num_layers != config.num_layers:
+        if pool.layout.num_layers < config.num_layers:
             raise ConfigError(
                 f"the pool holds {pool.layout.num_layers} layers, the model has {config.num_layers}"
             )
-        for name in ("k", "v"):
+        for name in (f"{self.payload_prefix}k", f"{self.payload_prefix}v"):
             spec = pool.layout.payload(name)
             if spec.token_shape != (config.num_kv_heads, config.head_dim):
                 raise ConfigError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -217,8 +218,11 @@ def random_state(
     """Seeded random weights (:class:`LlamaModel` names): norms one, everything else N(0, 0.02²).
 
     Drawn in fp32 and then cast, so one seed gives the same weights in every dtype of a device.
+    Each parameter is drawn from its own stream (the seed and a CRC-32 of its name), so models that
+    differ only in depth share the weights they have in common (``tiny-draft`` is ``tiny``'s
+    first layer).
     """
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device)
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in LlamaModel(config).state_dict().items()}
     state = {}
@@ -226,6 +230,7 @@ def random_state(
         if name.endswith("norm.weight"):
             weight = torch.ones(shape, device=device)
         else:
+            generator.manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (1 << 63))
             weight = torch.empty(shape, device=device).normal_(0.0, INIT_STD, generator=generator)
         state[name] = weight.to(dtype)
     return state

@@ -74,6 +74,8 @@ class TransferStats:
     failed_copies: int
     failed_tickets: int
     in_flight_tickets: int
+    d2h_submitted_bytes: int = 0  # submitted so far, landed or not (what a step asked to move)
+    h2d_submitted_bytes: int = 0
 
 
 @dataclass
@@ -264,6 +266,7 @@ class Transfer:
         )
         self._pages = {"d2h": 0, "h2d": 0}
         self._bytes = {"d2h": 0, "h2d": 0}
+        self._submitted = {"d2h": 0, "h2d": 0}
         self._failed_copies = 0
         self._failed_tickets = 0
 
@@ -316,6 +319,7 @@ class Transfer:
             self._failed_copies += 1
             return
         rec.bytes += dev.numel() * self._layer_page_bytes
+        self._submitted[direction] += dev.numel() * self._layer_page_bytes
 
     def _copy_layer(
         self, direction: Direction, layer: int, dev: torch.Tensor, host: torch.Tensor, rec: _Ticket
@@ -465,4 +469,6 @@ class Transfer:
             failed_copies=self._failed_copies,
             failed_tickets=self._failed_tickets,
             in_flight_tickets=len(self._tickets),
+            d2h_submitted_bytes=self._submitted["d2h"],
+            h2d_submitted_bytes=self._submitted["h2d"],
         )

@@ -1,0 +1,342 @@
+"""``kvstrata replay --report DIR``: one replay as a page people want to look at.
+
+:func:`write_report` writes into ``DIR``:
+
+* ``summary.json`` — the replay's ``--json`` summary;
+* ``hit_ratio.png`` — the hit ratio over time, by the tier that served the hits;
+* ``occupancy.png`` — the share of each tier's pages in use;
+* ``bytes_moved.png`` — bytes copied device -> host and host -> device, cumulated;
+* ``ttft.png`` — the TTFT distribution of requests served partly from the cache against those
+  computed whole;
+* ``report.html`` — a header with the configuration, versions and machine, every number of
+  ``summary.json`` (each cell carries its JSON path in ``data-key``), and the plots.
+
+Plots are drawn with matplotlib (the ``report`` extra), off screen. :mod:`kvstrata.sweep` reuses
+the page layout for a sweep over cache sizes.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import platform
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from .timeline import Timeline
+
+PLOTS = ("hit_ratio.png", "occupancy.png", "bytes_moved.png", "ttft.png")
+#: Summary fields the header shows instead of the numbers table.
+_HEADER_FIELDS = ("config", "versions", "errors")
+_WINDOWS = 100  # windows the hit-ratio plot averages over
+
+PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; color: #222; }}
+h1 {{ font-size: 1.5em; }} h2 {{ font-size: 1.15em; margin-top: 2em; }}
+table {{ border-collapse: collapse; margin: 0.5em 0; }}
+td, th {{ border-bottom: 1px solid #ddd; padding: 0.2em 0.8em; text-align: left; }}
+td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
+.grid {{ display: grid; grid-template-columns: repeat(auto-fit, minmax(22em, 1fr)); gap: 0 2em; }}
+figure {{ margin: 1em 0; }} img {{ max-width: 100%; border: 1px solid #eee; }}
+figcaption {{ color: #555; font-size: 0.9em; }}
+</style>
+</head>
+<body>
+<h1>{title}</h1>
+<p>{lead}</p>
+<div class="grid">
+<div><h2>Configuration</h2>{config}</div>
+<div><h2>Versions</h2>{versions}<h2>Machine</h2>{machine}</div>
+</div>
+<div class="grid">
+{figures}
+</div>
+<h2>Numbers</h2>
+{numbers}
+</body>
+</html>
+"""
+
+
+def require_matplotlib() -> None:
+    """Fail fast, before a replay runs, when the plots cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("--report needs matplotlib: pip install 'kvstrata[report]'") from None
+
+
+def pyplot() -> Any:
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")  # off screen, whatever the environment says
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def machine_info() -> dict[str, str]:
+    """The machine a result was measured on."""
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu cores": str(os.cpu_count()),
+    }
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        info["memory"] = f"{pages * page_size / 2**30:.1f} GiB"
+    except (ValueError, OSError, AttributeError):
+        info["memory"] = "unknown"
+    import torch
+
+    if torch.cuda.is_available():
+        info["gpu"] = ", ".join(
+            torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
+        )
+    return info
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the optional packages that shaped a report."""
+    out = {}
+    for name in ("matplotlib", "prometheus_client"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every scalar leaf of a JSON value, with its dotted path (list items by index)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from flatten(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from flatten(item, f"{prefix}.{i}")
+    else:
+        yield prefix, value
+
+
+def format_value(value: Any) -> str:
+    """How a JSON scalar reads in a table: ints with thousands separators, floats as JSON
+    writes them, None as a dash."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return json.dumps(value)
+    return str(value)
+
+
+def table(rows: list[tuple[str, Any]], keyed: bool = False) -> str:
+    """An HTML table of (name, value) rows; with ``keyed``, each value cell names its path."""
+    out = ["<table>"]
+    for key, value in rows:
+        cls = (
+            ' class="num"'
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            else ""
+        )
+        attr = f' data-key="{html.escape(key)}"' if keyed else ""
+        out.append(
+            f"<tr><th>{html.escape(key)}</th><td{cls}{attr}>{html.escape(format_value(value))}</td></tr>"
+        )
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def figure(src: str, caption: str) -> str:
+    return (
+        f'<figure><img src="{html.escape(src)}" alt="{html.escape(caption)}">'
+        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+    )
+
+
+def page(title: str, lead: str, data: dict[str, Any], figures: list[str], numbers: str) -> str:
+    """The whole HTML page: header tables from ``data``'s config and versions, then figures."""
+    versions = dict(data.get("versions", {})) | package_versions()
+    return PAGE.format(
+        title=html.escape(title),
+        lead=html.escape(lead),
+        config=table(list(data.get("config", {}).items())),
+        versions=table(list(versions.items())),
+        machine=table(list(machine_info().items())),
+        figures="\n".join(figures),
+        numbers=numbers,
+    )
+
+
+def save(fig: Figure, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def _x(timeline: Timeline) -> tuple[npt.NDArray[np.float64], str]:
+    clock = timeline.column("clock_s")
+    if clock.size and clock[-1] > clock[0]:
+        return clock, f"{'simulated' if timeline.clock_kind == 'sim' else 'wall'} clock, s"
+    return timeline.column("step"), "engine step"
+
+
+def _empty(ax: Axes, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#777")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def plot_hit_ratio(timeline: Timeline, path: Path) -> None:
+    """Per window of the run, the share of the prompt tokens each tier served (stacked)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x, label = _x(timeline)
+    prompt = timeline.column("prompt_tokens")
+    if prompt.size < 2 or prompt[-1] == 0:
+        _empty(ax, "no request finished")
+    else:
+        edges = np.unique(
+            np.linspace(0, prompt.size - 1, min(_WINDOWS, prompt.size - 1) + 1).astype(int)
+        )
+        dp = np.diff(prompt[edges])
+        mid = x[edges[1:]]
+        shares = []
+        for tier in ("l1", "l2"):
+            dh = np.diff(timeline.column(f"{tier}_hit_tokens")[edges])
+            shares.append(np.divide(dh, dp, out=np.zeros_like(dh), where=dp > 0))
+        ax.stackplot(mid, *shares, labels=["L1 (device)", "L2 (host)"], alpha=0.8, step="pre")
+        total = timeline.column("l1_hit_tokens") + timeline.column("l2_hit_tokens")
+        cumulative = np.divide(total, prompt, out=np.zeros_like(total), where=prompt > 0)
+        ax.plot(x, cumulative, color="k", lw=1.2, label="cumulative")
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("hit ratio")
+        ax.legend(loc="upper left", fontsize=8)
+    ax.set_xlabel(label)
+    ax.set_title("Hit ratio over time, by tier")
+    save(fig, path)
+
+
+def plot_occupancy(timeline: Timeline, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x, label = _x(timeline)
+    for tier, total in (("l1", timeline.l1_pages), ("l2", timeline.l2_pages)):
+        if total:
+            ax.plot(
+                x,
+                timeline.column(f"{tier}_pages_used") / total,
+                label=f"{tier.upper()} ({total:,} pages)",
+            )
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("pages in use")
+    ax.set_xlabel(label)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("Tier occupancy")
+    save(fig, path)
+
+
+def plot_bytes_moved(timeline: Timeline, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x, label = _x(timeline)
+    if not timeline.l2_pages:
+        _empty(ax, "no L2 tier: nothing moves between tiers")
+    else:
+        ax.plot(x, timeline.column("d2h_bytes") / 2**30, label="device -> host (backups)")
+        ax.plot(x, timeline.column("h2d_bytes") / 2**30, label="host -> device (load-backs)")
+        ax.set_ylabel("GiB, cumulative")
+        ax.legend(loc="upper left", fontsize=8)
+    ax.set_xlabel(label)
+    ax.set_title("Bytes moved between tiers")
+    save(fig, path)
+
+
+def plot_ttft(timeline: Timeline, path: Path) -> None:
+    """Empirical CDFs of TTFT for requests that hit the cache and those computed whole."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    drawn = False
+    for name, mask in (
+        ("served partly from the cache", timeline.hit),
+        ("computed whole", ~timeline.hit),
+    ):
+        ms = np.sort(timeline.ttft_s[mask]) * 1e3
+        if ms.size:
+            ax.step(
+                ms, np.arange(1, ms.size + 1) / ms.size, where="post", label=f"{name} ({ms.size:,})"
+            )
+            drawn = True
+    if drawn:
+        if (timeline.ttft_s > 0).all():
+            ax.set_xscale("log")
+        ax.set_xlabel("TTFT, ms")
+        ax.set_ylabel("share of requests")
+        ax.legend(loc="lower right", fontsize=8)
+    else:
+        _empty(ax, "no request finished")
+    ax.set_title("TTFT distribution")
+    save(fig, path)
+
+
+def write_report(directory: str | Path, data: dict[str, Any], timeline: Timeline) -> Path:
+    """Write ``summary.json`` (``data``), the plots and ``report.html`` into ``directory``
+    (created if needed); returns the page's path."""
+    out = Path(directory)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
+    except OSError as err:
+        raise ConfigError(f"cannot write the report into {out}: {err.strerror}") from None
+    plot_hit_ratio(timeline, out / "hit_ratio.png")
+    plot_occupancy(timeline, out / "occupancy.png")
+    plot_bytes_moved(timeline, out / "bytes_moved.png")
+    plot_ttft(timeline, out / "ttft.png")
+    figures = [
+        figure(
+            "hit_ratio.png",
+            "Share of each window's prompt tokens served from L1 and L2; the line is the hit ratio so far.",
+        ),
+        figure(
+            "occupancy.png",
+            "Pages of each tier in use (cached, held by running requests, or reserved).",
+        ),
+        figure(
+            "bytes_moved.png", "Bytes copied between the device and host tiers (landed copies)."
+        ),
+        figure(
+            "ttft.png",
+            "TTFT from arrival, requests served partly from the cache against those computed whole.",
+        ),
+    ]
+    numbers = [(k, v) for k, v in flatten(data) if k.split(".")[0] not in _HEADER_FIELDS]
+    config = data.get("config", {})
+    lead = (
+        f"{data.get('requests', 0):,} requests of {config.get('workload', '?')}, hit ratio "
+        f"{data.get('hit_ratio', 0.0)}, arrivals {data.get('arrivals', '?')}, "
+        f"{data.get('clock', {}).get('kind', 'wall')} clock."
+    )
+    path = out / "report.html"
+    path.write_text(page("kvstrata replay", lead, data, figures, table(numbers, keyed=True)))
+    return path

@@ -1,0 +1,230 @@
+"""``kvstrata sweep``: one workload over a grid of cache sizes and policies, in one report.
+
+The capacity planner's first question is how the hit ratio and TTFT move with the cache size.
+:func:`run_sweep` replays the same workload once per point of the grid (every combination of L1
+size, L2 size, eviction policy and write policy; ``--model none`` by default, on the simulated
+clock), each a fresh engine, and :func:`write_sweep_report` writes into a directory:
+
+* ``sweep.json`` — ``{"runs": [{"point": ..., "summary": ...}, ...]}``: each run's grid point
+  and ``--json`` summary;
+* ``hit_ratio.png`` — hit ratio against L1 size, one line per (L2 size, policies);
+* ``ttft.png`` — TTFT p50 and p99 against L1 size, same lines;
+* ``tiers.png`` — hit tokens by tier against L1 size;
+* ``report.html`` — header (configuration, versions, machine), the plots, and a table of every
+  run (cells carry ``data-key`` = ``runs.I.FIELD``, as in ``sweep.json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError
+from .replay import ReplayConfig, run_replay
+from .report import figure, format_value, page, pyplot, save
+
+#: Columns of the runs table: (label, path in a run's summary).
+COLUMNS = (
+    ("L1 tokens", "config.l1_tokens"),
+    ("L2 tokens", "config.l2_tokens"),
+    ("eviction", "config.eviction"),
+    ("write policy", "config.write_policy"),
+    ("hit ratio", "hit_ratio"),
+    ("L1 hit tokens", "hit_tokens_by_tier.l1"),
+    ("L2 hit tokens", "hit_tokens_by_tier.l2"),
+    ("computed tokens", "computed_tokens"),
+    ("TTFT p50 ms", "ttft_ms.p50"),
+    ("TTFT p99 ms", "ttft_ms.p99"),
+    ("queue mean ms", "ttft_parts_ms.queue.mean"),
+    ("failed", "failed"),
+    ("engine s", "seconds"),
+)
+
+
+@dataclass(frozen=True)
+class SweepGrid:
+    """The values each swept knob takes; every combination is one run."""
+
+    l1_tokens: tuple[int, ...]
+    l2_tokens: tuple[int, ...] = (0,)
+    eviction: tuple[str, ...] = ("lru",)
+    write_policy: tuple[str, ...] = ("write_through",)
+
+    def __post_init__(self) -> None:
+        for name in ("l1_tokens", "l2_tokens", "eviction", "write_policy"):
+            values = getattr(self, name)
+            if not values:
+                raise ConfigError(f"--{name.replace('_', '-')} needs at least one value")
+            if len(set(values)) != len(values):
+                raise ConfigError(f"--{name.replace('_', '-')} lists a value twice: {values}")
+
+    def points(self) -> list[dict[str, Any]]:
+        """The grid's points, L1 size varying fastest (one curve per other combination)."""
+        out = []
+        for l2, eviction, policy, l1 in itertools.product(
+            self.l2_tokens, self.eviction, self.write_policy, self.l1_tokens
+        ):
+            out.append(
+                {"l1_tokens": l1, "l2_tokens": l2, "eviction": eviction, "write_policy": policy}
+            )
+        return out
+
+
+def configs(base: ReplayConfig, grid: SweepGrid) -> list[ReplayConfig]:
+    """One replay configuration per grid point (checked before any of them runs)."""
+    out = []
+    for point in grid.points():
+        engine = dataclasses.replace(
+            base.engine,
+            pool_tokens=point["l1_tokens"],
+            l2_tokens=point["l2_tokens"],
+            l2_gib=0.0,
+            eviction=point["eviction"],
+            write_policy=point["write_policy"],
+        )
+        out.append(dataclasses.replace(base, engine=engine))
+    return out
+
+
+def run_sweep(base: ReplayConfig, grid: SweepGrid, progress: bool = True) -> list[dict[str, Any]]:
+    """Replay ``base`` at every grid point; each run's point and JSON summary, in grid order."""
+    runs = []
+    cfgs = configs(base, grid)
+    for i, (point, cfg) in enumerate(zip(grid.points(), cfgs, strict=True)):
+        if progress:
+            described = ", ".join(f"{k} {v}" for k, v in point.items())
+            print(f"kvstrata sweep: run {i + 1} of {len(cfgs)}: {described}", file=sys.stderr)
+        summary = run_replay(cfg, progress=progress)
+        runs.append({"point": point, "summary": summary.to_json()})
+        if summary.interrupted:
+            break
+    return runs
+
+
+def lookup(data: dict[str, Any], path: str) -> Any:
+    value: Any = data
+    for key in path.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _curves(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Runs grouped by everything but the L1 size, each group in L1 order."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        p = run["point"]
+        label = f"L2 {p['l2_tokens']:,}, {p['eviction']}" + (
+            f", {p['write_policy']}" if p["l2_tokens"] else ""
+        )
+        groups.setdefault(label, []).append(run)
+    for group in groups.values():
+        group.sort(key=lambda r: r["point"]["l1_tokens"])
+    return groups
+
+
+def _plot(runs: list[dict[str, Any]], path: Path, what: str) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for label, group in _curves(runs).items():
+        x = [r["point"]["l1_tokens"] for r in group]
+        s = [r["summary"] for r in group]
+        if what == "hit_ratio":
+            ax.plot(x, [d["hit_ratio"] for d in s], marker="o", label=label)
+        elif what == "ttft":
+            (line,) = ax.plot(
+                x, [d["ttft_ms"]["p50"] for d in s], marker="o", label=f"{label}: p50"
+            )
+            ax.plot(
+                x,
+                [d["ttft_ms"]["p99"] for d in s],
+                marker="s",
+                ls="--",
+                color=line.get_color(),
+                label=f"{label}: p99",
+            )
+        else:
+            l1 = np.array([d["hit_tokens_by_tier"]["l1"] for d in s], dtype=float)
+            l2 = np.array([d["hit_tokens_by_tier"]["l2"] for d in s], dtype=float)
+            (line,) = ax.plot(x, l1, marker="o", label=f"{label}: L1")
+            if l2.any():
+                ax.plot(x, l2, marker="s", ls="--", color=line.get_color(), label=f"{label}: L2")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("L1 size, tokens")
+    if what == "hit_ratio":
+        ax.set_ylabel("hit ratio")
+        ax.set_ylim(bottom=0)
+        ax.set_title("Hit ratio against cache size")
+    elif what == "ttft":
+        ax.set_ylabel("TTFT, ms")
+        ax.set_title("TTFT against cache size")
+    else:
+        ax.set_ylabel("hit tokens")
+        ax.set_title("Hit tokens by tier against cache size")
+    ax.legend(fontsize=7)
+    save(fig, path)
+
+
+def write_sweep_report(directory: str | Path, runs: list[dict[str, Any]]) -> Path:
+    """Write ``sweep.json``, the plots and ``report.html`` for ``runs`` into ``directory``."""
+    if not runs:
+        raise ConfigError("the sweep finished no run; nothing to report")
+    out = Path(directory)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sweep.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    except OSError as err:
+        raise ConfigError(f"cannot write the sweep report into {out}: {err.strerror}") from None
+    for what in ("hit_ratio", "ttft", "tiers"):
+        _plot(runs, out / f"{what}.png", what)
+    first = runs[0]["summary"]
+    config = {
+        k: v
+        for k, v in first["config"].items()
+        if k not in ("l1_tokens", "l2_tokens", "eviction", "write_policy")
+    }
+    figures = [
+        figure("hit_ratio.png", "Hit ratio of the whole workload at each L1 size."),
+        figure("ttft.png", "TTFT p50 (solid) and p99 (dashed) from arrival at each L1 size."),
+        figure("tiers.png", "Prompt tokens served by each tier at each L1 size."),
+    ]
+    head = "".join(f"<th>{label}</th>" for label, _ in COLUMNS)
+    rows = []
+    for i, run in enumerate(runs):
+        cells = []
+        for _, key in COLUMNS:
+            value = lookup(run["summary"], key)
+            cls = (
+                ' class="num"'
+                if isinstance(value, (int, float)) and not isinstance(value, bool)
+                else ""
+            )
+            cells.append(f'<td{cls} data-key="runs.{i}.summary.{key}">{format_value(value)}</td>')
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    numbers = f"<table><tr>{head}</tr>\n" + "\n".join(rows) + "\n</table>"
+    lead = (
+        f"{len(runs)} runs of {config.get('workload', '?')} ({first['requests']:,} requests each), "
+        f"arrivals {first.get('arrivals', '?')}, {first.get('clock', {}).get('kind', 'wall')} clock."
+    )
+    path = out / "report.html"
+    path.write_text(page("kvstrata sweep", lead, first | {"config": config}, figures, numbers))
+    return path
+
+
+def parse_sizes(values: Sequence[str], flag: str) -> tuple[int, ...]:
+    """Token counts from the command line; ``k``, ``M``, ``G`` multiply by 2**10, 2**20, 2**30."""
+    out = []
+    for text in values:
+        scale = {"k": 1 << 10, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if scale > 1 else text
+        if not digits.isdigit():
+            raise ConfigError(f"{flag} takes token counts like 262144 or 256k, got {text!r}")
+        out.append(int(digits) * scale)
+    return tuple(out)
