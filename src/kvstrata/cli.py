@@ -89,6 +89,30 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
         "difference| and argmax agreement (payload bytes with --model none)",
     )
     p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="MODEL",
+        help="a speculative draft model prefilled in the same step, its K/V on the target's "
+        "pages in every tier: a preset (tiny-draft: tiny's first layer) or a checkpoint "
+        "directory; same vocabulary as --model, at most its layers",
+    )
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="greedy-decode N tokens from the prefill -> decode handoff of each --verify request "
+        "(its KV assembled from every rank's pages) and from an uncached prefill of it; reports "
+        "whether the tokens agree and, with --draft-model, the draft's acceptance rate both ways",
+    )
+    p.add_argument(
+        "--handoff-dir",
+        default=None,
+        metavar="DIR",
+        help="with --decode-tokens under torchrun: a directory every rank writes its handoff "
+        "parts to and rank 0 reads (local --cp ranks use a temporary one)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -419,6 +443,9 @@ def _replay_config(args: argparse.Namespace) -> ReplayConfig:
             check_every_step=getattr(args, "check", False),
         ),
         verify=getattr(args, "verify", 0),
+        draft_model=getattr(args, "draft_model", None),
+        decode_tokens=getattr(args, "decode_tokens", 0),
+        handoff_dir=getattr(args, "handoff_dir", None),
         on_error=args.on_error,
         seed=args.seed,
         threads=args.threads,

@@ -24,11 +24,12 @@ import ctypes
 import itertools
 import os
 import platform
+import tempfile
 import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,14 +40,24 @@ from .arrivals import ArrivalSpec, ArrivalTimes
 from .cache.radix import TreeStats
 from .clock import Clock, CostModel, make_clock
 from .config import KVLayout
+from .decode import Decoded, greedy_decode
 from .dist.group import Group, SoloGroup
 from .dist.launch import run_ranks, torchrun_group, under_torchrun
 from .engine import Engine, EngineConfig, Finished
 from .errors import ConfigError, DivergenceError
+from .handoff import (
+    DirectoryTransport,
+    Handoff,
+    HandoffTransport,
+    LoopbackTransport,
+    assemble,
+    layout_fingerprint,
+)
 from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
 from .metrics import CacheMetrics, MetricsServer, RequestTotals
 from .model.attention import ATTENTION_BACKENDS, PagedAttention
-from .model.compute import Compute, ModelCompute, SyntheticCompute, synthetic_payload
+from .model.compute import Compute, ModelCompute, PairCompute, SyntheticCompute, synthetic_payload
+from .model.llama import LlamaModel
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
 from .progress import Progress
@@ -85,6 +96,9 @@ class ReplayConfig:
     cp: int = 1  # context-parallel ranks (local processes, or torchrun's world)
     cp_timeout_s: float = 300.0  # every collective's timeout: a dead or hung rank fails the run
     attention: str = "auto"  # the model's attention backend (kvstrata.model.attention)
+    draft_model: str | None = None  # a speculative draft prefilled on the same pages
+    decode_tokens: int = 0  # greedy tokens decoded from each --verify request's handoff
+    handoff_dir: str | None = None  # where CP ranks hand their parts over (decode under CP)
 
     def __post_init__(self) -> None:
         if isinstance(self.cp, bool) or not isinstance(self.cp, int) or not 1 <= self.cp <= 64:
@@ -127,6 +141,21 @@ class ReplayConfig:
                 "--metrics-host must name an address (127.0.0.1 by default; 0.0.0.0 for every "
                 "interface)"
             )
+        if self.draft_model is not None and self.model == "none":
+            raise ConfigError(
+                "--draft-model runs beside a model: give --model too (--model none has no draft)"
+            )
+        if self.draft_model == "":
+            raise ConfigError("--draft-model needs a preset (e.g. tiny-draft) or a checkpoint")
+        if not 0 <= self.decode_tokens <= 65_536:
+            raise ConfigError(f"--decode-tokens must lie in [0, 65536], got {self.decode_tokens}")
+        if self.decode_tokens and self.model == "none":
+            raise ConfigError("--decode-tokens decodes with a model: give --model (not none)")
+        if self.decode_tokens and not self.verify:
+            raise ConfigError(
+                "--decode-tokens decodes from the handoff of each --verify request: give "
+                "--verify N too"
+            )
         if self.lookahead is not None and self.lookahead < self.engine.max_batch_requests:
             raise ConfigError(
                 f"--lookahead ({self.lookahead}) must be >= --max-batch-requests "
@@ -144,6 +173,9 @@ class VerifyReport:
     argmax_agree: float | None = None
     payload_mismatched_bytes: int | None = None
     nonfinite_logits: int | None = None
+    draft_max_abs_logit_diff: float | None = None  # the draft model's, with --draft-model
+    draft_argmax_agree: float | None = None
+    decode: DecodeReport | None = None  # with --decode-tokens
 
     @property
     def ok(self) -> bool:
@@ -159,9 +191,47 @@ class VerifyReport:
         text = (
             f"max |logit diff| {self.max_abs_logit_diff:.3g}, argmax agree {self.argmax_agree:.3f}"
         )
+        if self.draft_max_abs_logit_diff is not None:
+            text += (
+                f"; draft: max |logit diff| {self.draft_max_abs_logit_diff:.3g}, argmax agree "
+                f"{self.draft_argmax_agree:.3f}"
+            )
         if self.nonfinite_logits:
             text = (
                 f"FAIL: {self.nonfinite_logits:,} non-finite logit values; {text} (finite values)"
+            )
+        return text
+
+
+@dataclass
+class DecodeReport:
+    """What ``--decode-tokens`` found: greedy decoding from each sampled request's handoff
+    against decoding from a prefill of the same request with an empty cache.
+
+    tokens_equal: requests whose decoded tokens equal the uncached run's.
+    acceptance_*: the draft's greedy acceptance rate (share of decoded positions where its
+        greedy token equals the target's), over the sampled requests that hit the cache, from
+        the cached prefill's handoff and from the uncached one (they must be equal); None
+        without a draft or without hits.
+    """
+
+    requests: int
+    tokens: int
+    tokens_equal: int
+    hit_requests: int
+    acceptance_cached: float | None
+    acceptance_uncached: float | None
+    handoff_bytes: int
+
+    def describe(self) -> str:
+        text = (
+            f"{self.tokens_equal}/{self.requests} requests decode the same {self.tokens} tokens "
+            f"from the handoff as without the cache ({self.handoff_bytes:,} handoff bytes)"
+        )
+        if self.acceptance_cached is not None:
+            text += (
+                f"; draft acceptance on {self.hit_requests} requests with cache hits "
+                f"{self.acceptance_cached:.4f}, without the cache {self.acceptance_uncached:.4f}"
             )
         return text
 
@@ -396,6 +466,8 @@ class ReplaySummary:
             )
         if self.verify.requests:
             rows.append((f"verify ({self.verify.requests} requests)", self.verify.describe()))
+        if self.verify.decode is not None:
+            rows.append(("decode from handoff", self.verify.decode.describe()))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {val}" for k, val in rows)
 
@@ -433,7 +505,12 @@ def build_compute(cfg: ReplayConfig) -> Compute:
     PagedAttention.for_device(  # refuse a backend the device cannot run before any work
         cfg.attention, torch.device(cfg.engine.device), model.config.head_dim
     )
-    return ModelCompute(model, next(model.parameters()).dtype)
+    dtype = next(model.parameters()).dtype
+    if cfg.draft_model is None:
+        return ModelCompute(model, dtype)
+    _, draft = load_model(cfg.draft_model, device=cfg.engine.device, dtype=dtype, seed=cfg.seed)
+    draft.use_attention(cfg.attention)
+    return PairCompute(model, draft, dtype)
 
 
 @dataclass(frozen=True)
@@ -453,11 +530,15 @@ def _shape(cfg: ReplayConfig, compute: Compute | None) -> _Shape:
         return _Shape(compute.vocab_size, compute.max_seq_len, compute.layout, 0)
     config = read_model_config(cfg.model)  # config.json only: weights come after the checks
     dtype = resolve_dtype(cfg.dtype, torch.device(cfg.engine.device))
+    draft = read_model_config(cfg.draft_model) if cfg.draft_model is not None else None
     return _Shape(
         vocab_size=config.vocab_size,
-        max_seq_len=config.max_position_embeddings,
-        layout=config.kv_layout(str(dtype).removeprefix("torch.")),
-        weight_bytes=weight_bytes(config, dtype),
+        max_seq_len=min(
+            config.max_position_embeddings,
+            draft.max_position_embeddings if draft else config.max_position_embeddings,
+        ),
+        layout=config.kv_layout(str(dtype).removeprefix("torch."), draft=draft),
+        weight_bytes=weight_bytes(config, dtype) + (weight_bytes(draft, dtype) if draft else 0),
     )
 
 
@@ -518,8 +599,12 @@ class VerifySample:
     it is replaced.
     """
 
-    def __init__(self, size: int, seed: int, keep_logits: set[int]) -> None:
+    def __init__(
+        self, size: int, seed: int, keep_logits: set[int], keep_handoff: set[int] | None = None
+    ) -> None:
         self.size = size
+        self._handoff = keep_handoff if keep_handoff is not None else set()
+        self.decode = keep_handoff is not None
         self._rng = np.random.default_rng(seed)
         self._seen = 0
         self._keep = keep_logits
@@ -541,11 +626,14 @@ class VerifySample:
                 return
             old = self._slots[slot]
             self._keep.discard(old)
+            self._handoff.discard(old)
             del self.requests[old]
             self.finished.pop(old, None)
             self._slots[slot] = request.rid
         self.requests[request.rid] = request
         self._keep.add(request.rid)
+        if self._handoff is not self._keep and self.decode:
+            self._handoff.add(request.rid)
 
     def collect(self, finished: Finished) -> None:
         """Keep ``finished`` if its request is in the sample."""
@@ -713,7 +801,12 @@ def run_replay(
         if under_torchrun():  # this process is one rank of torchrun's world
             group = torchrun_group(cfg.engine.device, cfg.cp_timeout_s)
             return _rank_main(group, cfg, progress)
-        ranks = run_ranks(cfg.cp, _rank_main, (cfg, progress), cfg.engine.device, cfg.cp_timeout_s)
+        with tempfile.TemporaryDirectory(prefix="kvstrata-handoff-") as tmp:
+            if cfg.decode_tokens and cfg.handoff_dir is None:  # local ranks share this machine
+                cfg = replace(cfg, handoff_dir=tmp)
+            ranks = run_ranks(
+                cfg.cp, _rank_main, (cfg, progress), cfg.engine.device, cfg.cp_timeout_s
+            )
         summary: ReplaySummary = ranks[0]
         return summary
     return _rank_main(SoloGroup(), cfg, progress, compute, observers)
@@ -792,9 +885,10 @@ def _run(
     _check_memory(cfg, shape)
     compute = compute or build_compute(cfg)
     clock = make_clock(cfg.clock, cfg.model, cost)
-    model_id = f"none:{cfg.kv_width}:{cfg.vocab_size}" if cfg.model == "none" else cfg.model
-    engine = Engine(compute, cfg.engine, group=group, clock=clock, model_id=model_id)
-    sample = VerifySample(cfg.verify, cfg.seed, engine.keep_logits)
+    engine = Engine(compute, cfg.engine, group=group, clock=clock, model_id=model_id(cfg))
+    sample = VerifySample(
+        cfg.verify, cfg.seed, engine.keep_logits, engine.keep_handoff if cfg.decode_tokens else None
+    )
     tally = _Tally()
     run = ReplayRun(cfg, engine, tally, clock, threading.Lock())
     server = None
@@ -817,10 +911,15 @@ def _run(
         engine.close()  # the disk tier's threads and files
 
     verify = VerifyReport()
+    transport = handoff_transport(cfg, group)
+    if not interrupted and cfg.decode_tokens:  # every rank hands its part of each sample over
+        for f in sample.finished.values():
+            if f.handoff is not None:
+                transport.send(f.handoff)
     if not interrupted and group.rank == 0:  # recomputing without the cache needs no peers
         sampled = [f for f in sample.finished.values() if f.error is None]
         try:
-            verify = _verify(cfg, compute, sampled, sample.requests, progress)
+            verify = _verify(cfg, compute, sampled, sample.requests, progress, transport)
         except KeyboardInterrupt:
             interrupted = True
     lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
@@ -864,6 +963,8 @@ def _run(
             "device": cfg.engine.device,
             "kv_width": cfg.kv_width if cfg.model == "none" else None,
             "verify": cfg.verify,
+            "draft_model": cfg.draft_model,
+            "decode_tokens": cfg.decode_tokens,
             "seed": cfg.seed,
             "threads": torch.get_num_threads(),
             "arrivals": arrivals.describe(),
@@ -1022,7 +1123,11 @@ def recompute_uncached(compute: Compute, config: EngineConfig, request: Request)
 
 
 def prefill_uncached(
-    compute: Compute, config: EngineConfig, request: Request, handoff: bool = False
+    compute: Compute,
+    config: EngineConfig,
+    request: Request,
+    handoff: bool = False,
+    model_id: str = "model",
 ) -> Finished:
     """``request`` prefilled by a fresh engine with an empty cache (same page size and
     chunking), sized for that one request; its logits (and draft logits) kept, and with
@@ -1036,7 +1141,7 @@ def prefill_uncached(
         "l2_gib": 0.0,
         "l3_dir": None,
     }
-    solo = Engine(compute, EngineConfig(**fields))
+    solo = Engine(compute, EngineConfig(**fields), model_id=model_id)
     solo.keep_logits = {request.rid}
     if handoff:
         solo.keep_handoff = {request.rid}
@@ -1056,8 +1161,10 @@ def _verify(
     sampled: list[Finished],
     requests: dict[int, Request],
     progress: bool,
+    transport: HandoffTransport,
 ) -> VerifyReport:
-    """Recompute each sampled request with an empty cache and compare with the cached run."""
+    """Recompute each sampled request with an empty cache and compare with the cached run; with
+    ``--decode-tokens``, decode from both runs' handoffs and compare those too."""
     report = VerifyReport(requests=len(sampled))
     if not sampled:
         return report
@@ -1070,20 +1177,105 @@ def _verify(
             mismatched += int((f.payload != expected).sum())
         report.payload_mismatched_bytes = mismatched
         return report
-    max_diff, agree, nonfinite = 0.0, 0, 0
+    draft = isinstance(compute, PairCompute)
+    diffs = {"target": 0.0, "draft": 0.0}
+    agree = {"target": 0, "draft": 0}
+    nonfinite = 0
+    decoder = _Decoder(cfg, compute) if cfg.decode_tokens else None
     with Progress("verify", len(sampled), enabled=progress) as bar:
         for f in sampled:
-            fresh = recompute_uncached(compute, cfg.engine, requests[f.rid])
-            assert f.logits is not None
-            diff, bad = compare_logits(fresh, f.logits)
-            max_diff = max(max_diff, diff)
-            nonfinite += bad
-            agree += int(not bad and int(fresh.argmax()) == int(f.logits.argmax()))
+            fresh = prefill_uncached(
+                compute, cfg.engine, requests[f.rid], decoder is not None, model_id(cfg)
+            )
+            pairs = [("target", fresh.logits, f.logits)]
+            if draft:
+                pairs.append(("draft", fresh.draft_logits, f.draft_logits))
+            for name, a, b in pairs:
+                assert a is not None and b is not None
+                diff, bad = compare_logits(a, b)
+                diffs[name] = max(diffs[name], diff)
+                nonfinite += bad
+                agree[name] += int(not bad and int(a.argmax()) == int(b.argmax()))
+            if decoder is not None:
+                decoder.compare(f, fresh, transport.receive(f.rid, cfg.cp_timeout_s))
             bar.update(1)
-    report.max_abs_logit_diff = max_diff
-    report.argmax_agree = agree / len(sampled)
+    report.max_abs_logit_diff = diffs["target"]
+    report.argmax_agree = agree["target"] / len(sampled)
+    if draft:
+        report.draft_max_abs_logit_diff = diffs["draft"]
+        report.draft_argmax_agree = agree["draft"] / len(sampled)
     report.nonfinite_logits = nonfinite
+    if decoder is not None:
+        report.decode = decoder.report()
     return report
+
+
+class _Decoder:
+    """``--decode-tokens``: greedy decoding from a request's handoff (its parts from every rank,
+    assembled) against decoding from a prefill of it with an empty cache."""
+
+    def __init__(self, cfg: ReplayConfig, compute: Compute) -> None:
+        self.draft: LlamaModel | None = None
+        if isinstance(compute, PairCompute):
+            self.target, self.draft = compute.target, compute.draft
+        else:
+            assert isinstance(compute, ModelCompute)
+            self.target = compute.model
+        self.num_tokens = cfg.decode_tokens
+        self.fingerprint = layout_fingerprint(model_id(cfg), compute.layout, cfg.engine.page_size)
+        self.requests = self.equal = self.hit_requests = self.handoff_bytes = 0
+        self.agreed: dict[str, list[bool]] = {"cached": [], "uncached": []}
+
+    def _decode(self, parts: list[Handoff], f: Finished) -> Decoded:
+        assert f.logits is not None
+        kv = assemble(parts, self.fingerprint)
+        return greedy_decode(kv, self.target, f.logits, self.num_tokens, self.draft, f.draft_logits)
+
+    def compare(self, cached: Finished, fresh: Finished, parts: list[Handoff]) -> None:
+        assert fresh.handoff is not None
+        self.handoff_bytes += sum(p.nbytes for p in parts)
+        a, b = self._decode(parts, cached), self._decode([fresh.handoff], fresh)
+        self.requests += 1
+        self.equal += int(a.tokens == b.tokens)
+        if cached.cached_len and self.draft is not None:
+            self.hit_requests += 1
+            self.agreed["cached"].extend(a.draft_agreed)
+            self.agreed["uncached"].extend(b.draft_agreed)
+
+    def report(self) -> DecodeReport:
+        def rate(name: str) -> float | None:
+            values = self.agreed[name]
+            return round(sum(values) / len(values), 6) if values else None
+
+        return DecodeReport(
+            requests=self.requests,
+            tokens=self.num_tokens,
+            tokens_equal=self.equal,
+            hit_requests=self.hit_requests,
+            acceptance_cached=rate("cached"),
+            acceptance_uncached=rate("uncached"),
+            handoff_bytes=self.handoff_bytes,
+        )
+
+
+def model_id(cfg: ReplayConfig) -> str:
+    """What the cache's namespace and the handoff's fingerprint name the compute by."""
+    if cfg.model == "none":
+        return f"none:{cfg.kv_width}:{cfg.vocab_size}"
+    return cfg.model if cfg.draft_model is None else f"{cfg.model}+draft:{cfg.draft_model}"
+
+
+def handoff_transport(cfg: ReplayConfig, group: Group) -> HandoffTransport:
+    """How a replay's ranks hand parts to the decoder on rank 0: in memory with one rank, through
+    ``cfg.handoff_dir`` with several."""
+    if group.size == 1:
+        return LoopbackTransport()
+    if cfg.handoff_dir is None:
+        raise ConfigError(
+            "--decode-tokens under context parallelism needs --handoff-dir DIR, a directory "
+            "every rank can write and rank 0 can read"
+        )
+    return DirectoryTransport(cfg.handoff_dir)
 
 
 def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from itertools import accumulate
 from typing import Protocol, overload
 
@@ -167,30 +168,33 @@ class ForwardBatch:
         ]
         cu_seqlens_host = tuple(accumulate(extend_lens, initial=0))
         num_tokens = cu_seqlens_host[-1]
-        ids: list[torch.Tensor] = []
+        ids: list[npt.NDArray[np.int64]] = []
         if input_ids is not None:
-            ids = [torch.as_tensor(input_ids).to(device="cpu", dtype=torch.int64).reshape(-1)]
-            if ids[0].numel() != num_tokens:
+            if isinstance(input_ids, torch.Tensor):
+                input_ids = input_ids.detach().cpu().numpy()
+            ids = [np.asarray(input_ids).astype(np.int64, copy=False).reshape(-1)]
+            if ids[0].size != num_tokens:
                 raise ConfigError(
-                    f"input_ids hold {ids[0].numel()} tokens, the batch packs {num_tokens}"
+                    f"input_ids hold {ids[0].size} tokens, the batch packs {num_tokens}"
                 )
-        table_starts = list(accumulate((t.numel() for t in tables), initial=0))[:-1]
-
+        table_starts = list(accumulate((t.size for t in tables), initial=0))[:-1]
         cached = tuple(i for i, prefix in enumerate(prefix_lens) if prefix)
+        R = len(extend_lens)
+        small = np.array([*table_starts, *prefix_lens, *cu_seqlens_host, *cached], dtype=np.int64)
+        sizes = [sum(t.size for t in tables), R, R, R + 1, len(cached), num_tokens if ids else 0]
+        host = np.concatenate([*tables, small, *ids])
+        if device.type == "cpu":  # numpy indexes a host batch with a third of torch's overhead
+            return cls._on_host(
+                host, sizes, tables, prefix_lens, extend_lens, cu_seqlens_host, page_size, cached
+            )
 
         # One host-to-device copy for every index tensor, then views into it:
         #   [ page tables of r0 | r1 | ... | table starts (R) | prefix lens (R) | cu_seqlens (R+1)
         #     | cached requests (C) | input ids (T, if given) ]
-        R = len(extend_lens)
-        small = torch.tensor(
-            [*table_starts, *prefix_lens, *cu_seqlens_host, *cached], dtype=torch.int64
-        )
-        sizes = [sum(t.numel() for t in tables), R, R, R + 1, len(cached), num_tokens if ids else 0]
+        staged = torch.from_numpy(host)
         if device.type == "cuda":  # staged in pinned memory: the copy does not block the host
-            staged = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
-            packed = torch.cat([*tables, small, *ids], out=staged).to(device, non_blocking=True)
-        else:
-            packed = torch.cat([*tables, small, *ids]).to(device)
+            staged = staged.pin_memory()
+        packed = staged.to(device, non_blocking=True)
         page_table, starts, prefix_device, cu_seqlens, cached_device, packed_ids = packed.split(
             sizes
         )
@@ -203,7 +207,6 @@ class ForwardBatch:
             torch.arange(num_tokens, device=device) - cu_seqlens[request] + prefix_device[request]
         )
         write_index = _pool_rows(page_table, starts[request], positions, page_size)
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         last_prefix_row = _pool_rows(
             page_table, starts, (prefix_device - 1).clamp(min=0), page_size
         )
@@ -216,7 +219,11 @@ class ForwardBatch:
             positions=positions,
             write_index=write_index,
             read_index=ReadRows(
-                page_table, starts, cu_seqlens.diff() + prefix_device, seq_lens, page_size
+                page_table,
+                starts,
+                cu_seqlens.diff() + prefix_device,
+                [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)],
+                page_size,
             ),
             last_index=cu_seqlens[1:] - 1,
             max_extend=max((extend_lens[i] for i in cached), default=0),
@@ -228,6 +235,79 @@ class ForwardBatch:
             input_ids=packed_ids if ids else None,
             prefix_last_row=torch.where(prefix_device > 0, last_prefix_row, -1),
         )
+
+    @classmethod
+    def _on_host(
+        cls,
+        host: npt.NDArray[np.int64],
+        sizes: list[int],
+        tables: list[npt.NDArray[np.int64]],
+        prefix_lens: tuple[int, ...],
+        extend_lens: tuple[int, ...],
+        cu_seqlens_host: tuple[int, ...],
+        page_size: int,
+        cached: tuple[int, ...],
+    ) -> ForwardBatch:
+        """The same batch on the CPU, its per-token indices made in numpy: the pages the extends
+        touch, end to end, expanded to rows; request i's extend is the run of rows that starts at
+        its prefix's offset inside its first touched page::
+
+            rows   [ r0: pages prefix//P .. end | r1: pages ... | ... ]  (P rows per page)
+            write  rows[at_i : at_i + extend_i],  at_i = P * (pages before r0..i-1) + prefix % P
+        """
+        P = page_size
+        touched = [t[p // P :] for t, p in zip(tables, prefix_lens, strict=True)]
+        rows = (np.concatenate(touched)[:, None] * P + _offsets(P)).ravel()
+        writes, at = [], 0
+        for t, prefix, extend in zip(touched, prefix_lens, extend_lens, strict=True):
+            writes.append(rows[at + prefix % P : at + prefix % P + extend])
+            at += t.size * P
+        positions = np.concatenate(
+            [
+                np.arange(prefix, prefix + extend, dtype=np.int64)
+                for prefix, extend in zip(prefix_lens, extend_lens, strict=True)
+            ]
+        )
+        last_rows = np.array(
+            [
+                t[(p - 1) // P] * P + (p - 1) % P if p else -1
+                for t, p in zip(tables, prefix_lens, strict=True)
+            ],
+            dtype=np.int64,
+        )
+        page_table, starts, prefix_t, cu_seqlens, cached_t, packed_ids = torch.from_numpy(
+            host
+        ).split(sizes)
+        return cls(
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            page_size=P,
+            cu_seqlens_host=cu_seqlens_host,
+            cu_seqlens=cu_seqlens,
+            positions=torch.from_numpy(positions),
+            write_index=torch.from_numpy(np.concatenate(writes)),
+            read_index=ReadRows(
+                page_table,
+                starts,
+                cu_seqlens.diff() + prefix_t,
+                [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)],
+                P,
+            ),
+            last_index=cu_seqlens[1:] - 1,
+            max_extend=max((extend_lens[i] for i in cached), default=0),
+            cached_requests_host=cached,
+            cached_requests=cached_t,
+            prefix_lens_device=prefix_t,
+            page_table=page_table,
+            table_starts=starts,
+            input_ids=packed_ids if sizes[-1] else None,
+            prefix_last_row=torch.from_numpy(last_rows),
+        )
+
+
+@cache
+def _offsets(page_size: int) -> npt.NDArray[np.int64]:
+    return np.arange(page_size, dtype=np.int64)
 
 
 class ReadRows(Sequence[torch.Tensor]):
@@ -290,8 +370,9 @@ def _pool_rows(
 
 def _check_request(
     i: int, prefix: int, extend: int, table: PageTable, page_size: int, num_slots: int | None
-) -> torch.Tensor:
-    """Request ``i``'s page table as a host int64 tensor, after checking it covers the sequence."""
+) -> npt.NDArray[np.int64]:
+    """Request ``i``'s page table as a host int64 array cut to the pages its sequence covers,
+    after checking it covers the sequence."""
     if prefix < 0:
         raise RequestError(f"request {i}: prefix length must be >= 0, got {prefix}")
     if extend < 1:
@@ -299,16 +380,20 @@ def _check_request(
             f"request {i}: extend length must be >= 1 (a prefill computes at least the last "
             f"token, for its logits), got {extend}"
         )
-    slots = torch.as_tensor(table).to(device="cpu", dtype=torch.int64)
-    if slots.dim() != 1:
-        raise RequestError(f"request {i}: a page table must be 1-D, got shape {tuple(slots.shape)}")
+    if isinstance(table, torch.Tensor):
+        table = table.detach().cpu().numpy()
+    slots = np.asarray(table)
+    if slots.ndim != 1:
+        raise RequestError(f"request {i}: a page table must be 1-D, got shape {slots.shape}")
+    if slots.size and slots.dtype.kind not in "iu":
+        raise RequestError(f"request {i}: page table slots must be integers, got {slots.dtype}")
     num_pages = page_span(prefix + extend, page_size)
-    if slots.numel() < num_pages:
+    if slots.size < num_pages:
         raise RequestError(
             f"request {i}: {prefix} cached + {extend} new tokens need {num_pages} pages of "
-            f"{page_size}, but its page table holds {slots.numel()}"
+            f"{page_size}, but its page table holds {slots.size}"
         )
-    slots = slots[:num_pages]
+    slots = slots[:num_pages].astype(np.int64, copy=False)
     if num_slots is not None and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
         raise RequestError(
             f"request {i}: page table slots must lie in [0, {num_slots}), got "
