@@ -225,19 +225,86 @@ def test_cp2_handoff_assembles_the_single_rank_kv_and_decodes_like_transformers(
         assert torch.equal(a.payloads["kv"], b.payloads["kv"]), rid
 
     # A real model: the cp = 2 handoff decodes to transformers' greedy tokens on the same weights.
+    # Its K/V equal one rank's within fp32 rounding (CP attention sums in another order), not
+    # byte for byte.
     import transformers
 
-    model_dir = tmp_path / "tiny"
-    ranks = run_ranks(
-        2, _cp_prefill, ("tiny", str(tiny_checkpoint), str(model_dir), n), timeout_s=120
-    )
+    model_dir, solo_model_dir = tmp_path / "tiny", tmp_path / "tiny1"
+    args = ("tiny", str(tiny_checkpoint))
+    ranks = run_ranks(2, _cp_prefill, (*args, str(model_dir), n), timeout_s=120)
+    run_ranks(1, _cp_prefill, (*args, str(solo_model_dir), n), timeout_s=120)
     _, target = load_model(tiny_checkpoint, dtype="float32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     requests = builtin(target.config.vocab_size, seed=7, n_requests=n)
     transport = DirectoryTransport(model_dir)
     for r in requests:
         kv = assemble(transport.receive(r.rid, 5), ranks[0]["fingerprint"])
+        one = assemble(DirectoryTransport(solo_model_dir).receive(r.rid, 5), kv.fingerprint)
+        for name in ("k", "v"):
+            assert max_diff(kv.payloads[name], one.payloads[name]) <= 1e-5, (r.rid, name)
         ours = greedy_decode(kv, target, torch.as_tensor(ranks[0]["logits"][r.rid]), 8)
         ids = torch.from_numpy(r.tokens.astype(np.int64))[None]
-        theirs = hf.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=None)
+        theirs = hf.generate(ids, max_new_tokens=8, do_sample=False)
         assert list(ours.tokens) == theirs[0, ids.shape[1] :].tolist(), r.rid
+
+
+# -- kvstrata replay ------------------------------------------------------------------------------
+
+
+def _replay_cfg(**kw: Any) -> Any:
+    from kvstrata.replay import ReplayConfig
+
+    engine = EngineConfig(page_size=16, pool_tokens=1024, chunk_size=128, l2_tokens=4096)
+    fields = {"model": "tiny", "draft_model": "tiny-draft", "verify": 6, "decode_tokens": 5}
+    return ReplayConfig(engine=engine, **(fields | kw))
+
+
+def test_replay_reports_draft_logits_and_equal_acceptance() -> None:
+    from kvstrata.replay import run_replay
+
+    summary = run_replay(_replay_cfg(), progress=False)
+    verify = summary.verify
+    assert verify.ok and verify.requests == 6
+    assert verify.draft_max_abs_logit_diff is not None and verify.draft_max_abs_logit_diff <= 1e-5
+    decode = verify.decode
+    assert decode is not None and decode.tokens_equal == decode.requests == 6
+    assert decode.hit_requests > 0
+    assert decode.acceptance_cached == decode.acceptance_uncached
+    assert decode.acceptance_cached is not None and 0 < decode.acceptance_cached < 1
+    doc = summary.to_json()
+    assert doc["verify"]["decode"]["acceptance_cached"] == decode.acceptance_cached
+    assert doc["config"]["draft_model"] == "tiny-draft"
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_replay_with_cp2_decodes_from_every_ranks_part() -> None:
+    from kvstrata.replay import run_replay
+
+    summary = run_replay(_replay_cfg(cp=2), progress=False)
+    decode = summary.verify.decode
+    assert decode is not None and decode.tokens_equal == decode.requests == 6
+    assert decode.acceptance_cached == decode.acceptance_uncached
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"model": "none", "draft_model": "tiny-draft"}, "--draft-model runs beside a model"),
+        ({"decode_tokens": 4}, "give --verify N too"),
+        ({"decode_tokens": -1, "verify": 1}, r"--decode-tokens must lie in \[0, 65536\]"),
+        ({"model": "none", "decode_tokens": 2, "verify": 1}, "decodes with a model"),
+    ],
+)
+def test_replay_refuses_draft_and_decode_misuse(fields: dict[str, Any], message: str) -> None:
+    from kvstrata.replay import ReplayConfig
+
+    with pytest.raises(ConfigError, match=message):
+        ReplayConfig(**fields)
+
+
+def test_replay_refuses_a_draft_with_another_vocabulary() -> None:
+    from kvstrata.replay import run_replay
+
+    with pytest.raises(ConfigError, match="vocabulary"):
+        run_replay(_replay_cfg(draft_model="small"), progress=False)
