@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -224,3 +225,26 @@ def test_killing_one_rank_mid_replay_names_it() -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode not in (0, None)
     assert "rank 1" in err and "died" in err, err
+
+
+@pytest.mark.slow
+def test_replay_with_cp2_and_the_disk_tier_runs_to_the_end(tmp_path: Path) -> None:
+    """The whole replay path at cp 2 (no decode, no report): digests checked every step, the
+    disk tier on every rank, payload bytes verified, and `disk check` clean afterwards."""
+    from kvstrata.replay import ReplayConfig, run_replay
+    from kvstrata.tiers.disk_audit import audit_directory
+
+    engine = EngineConfig(
+        page_size=16,
+        pool_tokens=4096,
+        l2_tokens=8192,
+        l3_dir=str(tmp_path / "l3"),
+        l3_gib=0.05,
+        check_digests=True,
+    )
+    cfg = ReplayConfig(model="none", workload="synthetic:0:120", engine=engine, verify=10, cp=2)
+    summary = run_replay(cfg, progress=False)
+    assert summary.requests == 120 and summary.failed == 0
+    assert summary.verify.ok and summary.verify.payload_mismatched_bytes == 0
+    assert summary.to_json()["hit_tokens_by_tier"]["l3"] > 0
+    assert audit_directory(tmp_path / "l3").clean

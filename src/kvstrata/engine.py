@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -191,6 +191,12 @@ class Finished:
         return 0 if self.error else self.prompt_len - self.cached_len
 
 
+class _Lookup(NamedTuple):
+    waiting: _Waiting
+    first: int  # the first sequence page the tree missed when it looked
+    found: int  # pages from there this rank's disk can serve (before the ranks' MIN)
+
+
 class _Waiting(NamedTuple):
     request: Request
     key: TokenKey  # hashed once, when the request is added
@@ -301,10 +307,6 @@ class Engine:
         self.disk: DiskTier | None = None
         self.namespace: Namespace | None = None
         if config.l3_dir is not None:
-            if cp > 1:
-                raise ConfigError(
-                    "the disk tier runs with one rank so far: drop --l3-dir or use --cp 1"
-                )
             assert self.host_pool is not None and self.host_allocator is not None
             self.namespace = Namespace.for_layout(model_id, layout, P, cp)
             store = DiskStore(
@@ -322,6 +324,8 @@ class Engine:
             )
         self._hashes: dict[int, list[bytes]] = {}  # rid -> its full pages' content addresses
         self._parked: dict[int, _Waiting] = {}  # reload ticket -> the request waiting for it
+        # Under CP: requests whose disk lookup waits for the ranks' MIN (the next frontier).
+        self._lookups: list[_Lookup] = []
         self._reload_tried: set[int] = set()
         self._l3_tokens: dict[int, int] = {}  # rid -> tokens a reload brought it
         self._spill_after: dict[int, list[tuple[Node, list[bytes], IntArray]]] = {}
@@ -357,7 +361,7 @@ class Engine:
         self.waiting.append(_Waiting(request, self.tree.key(request.tokens), arrived))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._refused or self._parked)
+        return bool(self.waiting or self.running or self._refused or self._parked or self._lookups)
 
     def close(self) -> None:
         """Release what outlives a replay: the disk tier's threads, files and lock."""
@@ -511,7 +515,10 @@ class Engine:
         if self.transfer is None:
             return
         self._drain()
-        for ticket, kind, ok in self.ledger.advance(self.frontier(self.ledger.progress())):
+        lookups, self._lookups = self._lookups, []
+        progress = replace(self.ledger.progress(), agree=tuple(lk.found for lk in lookups))
+        frontier = self.frontier(progress)
+        for ticket, kind, ok in self.ledger.advance(frontier):
             if kind is TicketKind.BACKUP:
                 assert self.backups is not None
                 self.backups.settle(ticket, ok)
@@ -530,6 +537,9 @@ class Engine:
                 if brought is not None:
                     self._l3_tokens[brought[0]] = brought[1]
                 self.waiting.appendleft(self._parked.pop(ticket))
+        back = [lk.waiting for lk, n in zip(lookups, frontier.agree, strict=True)
+                if not self._reload_agreed(lk, n)]  # fmt: skip
+        self.waiting.extendleft(reversed(back))
 
     def before_layer(self, layer: int) -> None:
         if self.loads is not None:
@@ -569,7 +579,8 @@ class Engine:
             min(cfg.chunk_size, len(r.key) - r.done_len) for r in self.running
         )
         passed: list[_Waiting] = []
-        while self.waiting and len(self.running) < cfg.max_batch_requests and budget > 0:
+        looked = len(self._lookups)  # under CP a lookup takes the admission slot it would use
+        while self.waiting and len(self.running) + looked < cfg.max_batch_requests and budget > 0:
             waiting = self.waiting.popleft()
             request, key, arrived_at = waiting
             if self._computing_now(key):
@@ -577,6 +588,7 @@ class Engine:
                 self.deferred += 1
                 continue
             if self.disk is not None and self._start_reload(waiting):
+                looked = len(self._lookups)
                 continue  # parked until the disk read lands; the others go on
             try:
                 run = self._try_start(request, key, arrived_at, now)
@@ -613,12 +625,40 @@ class Engine:
         hit = self.tree.match_prefix(key, max_len=limit, record=False)
         if hit.valid_len >= limit:
             return False
-        ticket = self.disk.try_reload(
-            key, self._page_hashes(request, key), hit.valid_len, limit, hit.last_node, request.rid
-        )
+        hashes = self._page_hashes(request, key)
+        if self.cp > 1:  # each rank knows its own pages: the next frontier agrees on the count
+            P = self.config.page_size
+            first, last = hit.valid_len // P, limit // P
+            if last <= first:
+                return False
+            self._lookups.append(
+                _Lookup(waiting, first, self.disk.local_count(hashes, first, last))
+            )
+            return True
+        ticket = self.disk.try_reload(key, hashes, hit.valid_len, limit, hit.last_node, request.rid)
         if ticket is None:
             return False
         self._parked[ticket] = waiting
+        return True
+
+    def _reload_agreed(self, lookup: _Lookup, count: int) -> bool:
+        """Start the reload every rank agreed on (``count`` pages from ``lookup.first``, the MIN
+        over ranks); False when there is nothing left to read (the request computes)."""
+        assert self.disk is not None
+        request, key = lookup.waiting.request, lookup.waiting.key
+        limit = self._reusable_len(len(key))
+        hit = self.tree.match_prefix(key, max_len=limit, record=False)  # it may have grown
+        P = self.config.page_size
+        count = lookup.first + count - hit.valid_len // P
+        if count <= 0 or hit.valid_len >= limit:
+            return False
+        ticket = self.disk.try_reload(
+            key, self._page_hashes(request, key), hit.valid_len, limit, hit.last_node,
+            request.rid, count,
+        )  # fmt: skip
+        if ticket is None:
+            return False
+        self._parked[ticket] = lookup.waiting
         return True
 
     def _refusal(self, request: Request) -> RequestError | None:

@@ -911,8 +911,8 @@ def _run(
         engine.close()  # the disk tier's threads and files
 
     verify = VerifyReport()
-    transport = handoff_transport(cfg, group)
-    if not interrupted and cfg.decode_tokens:  # every rank hands its part of each sample over
+    transport = handoff_transport(cfg, group) if cfg.decode_tokens else None
+    if not interrupted and transport is not None:  # every rank hands its part of each sample
         for f in sample.finished.values():
             if f.handoff is not None:
                 transport.send(f.handoff)
@@ -1161,7 +1161,7 @@ def _verify(
     sampled: list[Finished],
     requests: dict[int, Request],
     progress: bool,
-    transport: HandoffTransport,
+    transport: HandoffTransport | None,
 ) -> VerifyReport:
     """Recompute each sampled request with an empty cache and compare with the cached run; with
     ``--decode-tokens``, decode from both runs' handoffs and compare those too."""
@@ -1197,6 +1197,7 @@ def _verify(
                 nonfinite += bad
                 agree[name] += int(not bad and int(a.argmax()) == int(b.argmax()))
             if decoder is not None:
+                assert transport is not None
                 decoder.compare(f, fresh, transport.receive(f.rid, cfg.cp_timeout_s))
             bar.update(1)
     report.max_abs_logit_diff = diffs["target"]

@@ -3,8 +3,10 @@
 
 Each rank's :class:`~kvstrata.tiers.tickets.Progress` says how far its copies have landed. The
 frontier is the MIN of ``done_upto`` over ranks and the union of failed tickets, computed with a
-single MAX all-reduce over ``[-done_upto, failed(applied+1), ..., failed(issued)]``: the bitmap's
-length comes from replicated counters, so every rank contributes a tensor of the same shape.
+single MAX all-reduce over ``[-done_upto, failed(applied+1), ..., failed(issued), -agree...]``:
+the bitmap's length comes from replicated counters and ``agree``'s (the disk tier's pending
+lookups) from replicated decisions, so every rank contributes a tensor of the same shape. The
+same collective returns the MIN of each ``agree`` value.
 """
 
 from __future__ import annotations
@@ -22,16 +24,22 @@ def group_frontier(group: Group) -> FrontierFn:
         if group.size == 1:
             return progress
         lo, hi = progress.applied_upto, progress.issued_upto
-        flags = torch.zeros(1 + hi - lo, dtype=torch.int64)
+        n = 1 + hi - lo
+        flags = torch.zeros(n + len(progress.agree), dtype=torch.int64)
         flags[0] = -progress.done_upto
         for t in progress.failed:
             flags[t - lo] = 1
+        if progress.agree:
+            flags[n:] = -torch.tensor(progress.agree, dtype=torch.int64)
         group.all_reduce(flags, "max", "frontier")
         done = -int(flags[0])
-        # flags[i] (i >= 1) is ticket lo + i; only tickets every rank finished take effect now.
+        # flags[i] (1 <= i < n) is ticket lo + i; only tickets every rank finished take effect now.
         failed = frozenset(
-            lo + 1 + j for j in torch.nonzero(flags[1:]).flatten().tolist() if lo + 1 + j <= done
+            lo + 1 + j
+            for j in torch.nonzero(flags[1:n]).flatten().tolist()
+            if lo + 1 + j <= done
         )
-        return Progress(done, failed, lo, hi)
+        agree = tuple(-int(v) for v in flags[n:].tolist())
+        return Progress(done, failed, lo, hi, agree)
 
     return frontier

@@ -85,15 +85,27 @@ class DiskTier:
         pages = [
             (h, int(p) // cp, hits) for h, p, o in zip(hashes, host_pages, own, strict=True) if o
         ]
+        # Locked on every rank alike, whatever this rank's store does: the lock is replicated
+        # state, released when the frontier covers the ticket.
+        self.tree.host_lock(node)
+        self._spills[ticket] = node
         if not self.store.spill(ticket, pages, self.host_pool):
             self.stats.spills_refused += 1
             self.ledger.finish(ticket, ok=False, error="the disk store refused the spill")
             return
-        self.tree.host_lock(node)
-        self._spills[ticket] = node
         self.stats.spills += 1
 
     # -- reload ----------------------------------------------------------------------------------
+
+    def local_count(self, hashes: list[bytes], first: int, last: int) -> int:
+        """Under CP: how many pages from ``first`` (before ``last``) could be reloaded as far as
+        this rank knows: up to its first owned page the disk lacks. The ranks take the MIN
+        through the frontier collective before anything is reserved."""
+        cp = self.tree.cp_size
+        mine = np.arange(first, last, dtype=np.int64)
+        mine = mine[mine % cp == self.rank]
+        found = self.store.lookup([hashes[int(i)] for i in mine])
+        return last - first if found == mine.size else int(mine[found]) - first
 
     def try_reload(
         self,
@@ -103,16 +115,20 @@ class DiskTier:
         limit: int,
         parent: Node,
         rid: int,
+        count: int | None = None,
     ) -> int | None:
         """Start reloading the pages after ``cached_len`` tokens that the disk holds (at most up
-        to ``limit`` tokens). Returns the reload's ticket, or None when there is nothing to read
-        or no host room (then the request simply computes)."""
+        to ``limit`` tokens; ``count`` pages when the ranks already agreed on it). Returns the
+        reload's ticket, or None when there is nothing to read or no host room (then the request
+        simply computes)."""
         P = self.tree.page_size
         first, last = cached_len // P, limit // P
         if last <= first or (parent is not self.tree.root and not parent.on_host):
             return None
-        count = self.store.lookup(hashes[first:last])
-        if count == 0:
+        if count is None:
+            count = self.store.lookup(hashes[first:last])
+        count = min(count, last - first)
+        if count <= 0:
             return None
         alloc, tree = self.host_allocator, self.tree
         locked = parent is not tree.root  # its host copy must outlive the reload
@@ -152,7 +168,11 @@ class DiskTier:
             rec = self._reloads.get(reloaded.ticket)
             if rec is not None:
                 rec.ok = reloaded.ok
-                self.ledger.finish(reloaded.ticket, ok=True)
+                # Under CP a page that failed here fails the whole reload on every rank (the
+                # frontier unions failures): ranks cannot each keep a different run.
+                whole = self.tree.cp_size == 1 or all(reloaded.ok)
+                error = None if whole else "a reloaded page failed verification"
+                self.ledger.finish(reloaded.ticket, ok=whole, error=error)
 
     def settle_spill(self, ticket: int) -> None:
         node = self._spills.pop(ticket, None)
@@ -176,9 +196,10 @@ class DiskTier:
                 verified += 1
         cp = tree.cp_size
         own = np.flatnonzero(rec.host_pages % cp == self.rank)
-        keep = (
-            rec.host_pages.size if verified >= own.size else int(own[verified]) if own.size else 0
-        )
+        if cp > 1:  # all or nothing, alike on every rank (see poll)
+            keep = rec.host_pages.size if ok else 0
+        else:
+            keep = rec.host_pages.size if verified >= own.size else int(own[verified])
         self.stats.reloads += 1
         self.stats.reload_misses += rec.host_pages.size - keep
         # The tree must still hold exactly the cached part (nothing lost, nothing added since).

@@ -40,6 +40,9 @@ class Progress:
     failed: frozenset[int] = frozenset()
     applied_upto: int = 0
     issued_upto: int = 0
+    #: Per-rank numbers the frontier takes the MIN of, in replicated order (how many leading
+    #: pages each pending disk lookup found on this rank): agreement rides the same collective.
+    agree: tuple[int, ...] = ()
 
 
 #: Turns this rank's progress into the commit frontier. One rank: the identity.
