@@ -27,7 +27,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstrata.cli import BENCHMARKS, build_parser, main
+from kvstrata.cli import BENCHMARKS, bench_module, build_parser, main
 
 AVAILABLE_BYTES = 256 * 2**20
 OUT = tempfile.mkdtemp(prefix="kvstrata-fuzz-")  # the commands' working directory
@@ -93,6 +93,26 @@ BASE = {
         "--replay-trace",
         "builtin",
     ],
+    "bench multi-gpu": [
+        "bench",
+        "multi-gpu",
+        "--device",
+        "cpu",
+        "--cp",
+        "1",
+        "--prompt",
+        "32",
+        "--prefix",
+        "32",
+        "--suffix",
+        "8",
+        "--pool-tokens",
+        "64",
+        "--requests",
+        "2",
+        "--repeats",
+        "1",
+    ],
     "bench disk": [
         "bench",
         "disk",
@@ -144,7 +164,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     commands = _subparsers(build_parser())
     parsers = {name: commands[name] for name in commands if name != "bench"}
     for name in BENCHMARKS:
-        module = importlib.import_module(f"kvstrata.benchmarks.{name}")
+        module = importlib.import_module(f"kvstrata.benchmarks.{bench_module(name)}")
         parsers[f"bench {name}"] = module.build_parser()
     return parsers
 
@@ -272,6 +292,11 @@ def test_bench_workload_flags() -> None:
 @pytest.mark.slow
 def test_bench_cp_flags() -> None:
     fuzz("bench cp", 12)  # a valid --cp starts rank processes
+
+
+@pytest.mark.slow
+def test_bench_multi_gpu_flags() -> None:
+    fuzz("bench multi-gpu", 12)  # a valid value starts a rank process
 
 
 @pytest.mark.slow

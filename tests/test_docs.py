@@ -8,7 +8,7 @@ import importlib
 import re
 from pathlib import Path
 
-from kvstrata.cli import BENCHMARKS, build_parser
+from kvstrata.cli import BENCHMARKS, bench_module, build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
@@ -54,7 +54,9 @@ PLANNED: set[str] = set()  # flags the README announces before they exist
 def test_readme_flags_exist() -> None:
     known = _options(build_parser()) | {"--nproc-per-node"}  # torchrun's, in the CP example
     for name in BENCHMARKS:
-        known |= _options(importlib.import_module(f"kvstrata.benchmarks.{name}").build_parser())
+        known |= _options(
+            importlib.import_module(f"kvstrata.benchmarks.{bench_module(name)}").build_parser()
+        )
     readme = (ROOT / "README.md").read_text()
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", readme))
     assert {"--threads", "--version", "--fail-on-error"} <= flags

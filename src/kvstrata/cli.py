@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 #: and two threads make a replay 10-20x slower as soon as another process uses a core
 #: (docs/benchmarks.md, "CPU threads"), while they gain at most ~1.3x on an idle machine.
 DEFAULT_THREADS = 1
-#: ``kvstrata bench NAME`` runs ``kvstrata.benchmarks.NAME.run_main``.
+#: ``kvstrata bench NAME`` runs ``run_main`` of ``kvstrata.benchmarks`` module
+#: :func:`bench_module` ``(NAME)``: NAME itself, with its hyphens dropped (``multi-gpu``).
 BENCHMARKS = (
     "radix",
     "prefill",
@@ -63,7 +64,13 @@ BENCHMARKS = (
     "attention",
     "gpu",
     "replay",
+    "multi-gpu",
 )
+
+
+def bench_module(name: str) -> str:
+    """The module under ``kvstrata.benchmarks`` that runs ``kvstrata bench NAME``."""
+    return name.replace("-", "")
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -713,7 +720,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f".benchmarks.{args.name}", __package__)
+    module = importlib.import_module(f".benchmarks.{bench_module(args.name)}", __package__)
     run_main: Callable[[list[str]], int] = module.run_main
     return run_main(args.rest)
 

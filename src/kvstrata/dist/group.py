@@ -50,6 +50,10 @@ class Group(Protocol):
     def all_gather_object(self, obj: Any, purpose: str) -> list[Any]:
         ...
 
+    def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor, purpose: str) -> None:
+        """Every rank's ``tensor`` into ``out`` (``size`` times as many elements), rank order."""
+        ...
+
 
 class SoloGroup:
     """One rank: every collective is the identity."""
@@ -70,6 +74,12 @@ class SoloGroup:
     def all_gather_object(self, obj: Any, purpose: str) -> list[Any]:
         return [obj]
 
+    def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor, purpose: str) -> None:
+        out.copy_(tensor)
+
+
+# torch 2.13 renamed all_gather_into_tensor (kept, with a deprecation warning); older ones lack the name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -118,3 +128,10 @@ class TorchGroup:
         except (RuntimeError, dist.DistBackendError) as err:
             raise self._fail("all_gather", purpose, err) from None
         return out
+
+    def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor, purpose: str) -> None:
+        self.traffic.add(purpose, tensor.numel() * tensor.element_size())
+        try:
+            _all_gather_single(out, tensor)
+        except (RuntimeError, dist.DistBackendError) as err:
+            raise self._fail("all_gather", purpose, err) from None
