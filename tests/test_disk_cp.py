@@ -13,7 +13,7 @@ import torch
 
 from kvstrata.dist.group import Group
 from kvstrata.dist.launch import run_ranks
-from kvstrata.engine import Engine, EngineConfig, Finished
+from kvstrata.engine import Engine, EngineConfig
 from kvstrata.model.compute import ModelCompute, SyntheticCompute, synthetic_payload
 from kvstrata.model.loader import load_model
 from kvstrata.replay import recompute_uncached
@@ -67,16 +67,8 @@ def _run(
     if group.rank == corrupt_rank:
         _corrupt_every_slot(engine)
     engine.keep_logits = {r.rid for r in requests}
-    out: dict[int, Finished] = {}
     try:
-        for r in requests:
-            engine.add(r)
-        while engine.has_work():
-            for f in engine.step():
-                out[f.rid] = f
-            engine.check()
-        engine.drain()
-        engine.check()
+        out = engine.run(requests, check=True)
     finally:
         engine.close()
     assert engine.disk is not None

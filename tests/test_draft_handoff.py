@@ -34,16 +34,10 @@ def pair(target: str = "tiny", draft: str = "tiny-draft") -> PairCompute:
 def run(engine: Engine, requests: list[Request]) -> dict[int, Finished]:
     engine.keep_logits = {r.rid for r in requests}
     engine.keep_handoff = {r.rid for r in requests}
-    for r in requests:
-        engine.add(r)
-    out: dict[int, Finished] = {}
-    while engine.has_work():
-        for f in engine.step():
-            out[f.rid] = f
-    engine.drain()
-    engine.check()
-    engine.close()
-    return out
+    try:
+        return engine.run(requests, check=True)
+    finally:
+        engine.close()
 
 
 def max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:

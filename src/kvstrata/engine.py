@@ -24,7 +24,7 @@ so it waits for the chunk it needs, not the whole prefill. This reads only repli
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -428,6 +428,22 @@ class Engine:
         if self.config.check_digests:
             self.check_digests()
         return finished
+
+    def run(self, requests: Iterable[Request], check: bool = False) -> dict[int, Finished]:
+        """Add ``requests``, step until nothing is left, drain the copies in flight; every
+        outcome by request id (``check``: every invariant after each step and at the end)."""
+        for r in requests:
+            self.add(r)
+        out: dict[int, Finished] = {}
+        while self.has_work():
+            for f in self.step():
+                out[f.rid] = f
+            if check:
+                self.check()
+        self.drain()
+        if check:
+            self.check()
+        return out
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait (bounded) for every copy in flight and settle it at the frontier."""

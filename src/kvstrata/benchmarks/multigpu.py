@@ -154,13 +154,7 @@ def correctness(compute: ModelCompute, group: Group, cfg: dict[str, Any]) -> dic
     total = sum(r.tokens.size for r in requests) + PAGE * len(requests)
     engine = Engine(compute, _config(cfg, group, total, check_digests=True), group=group)
     engine.keep_logits = {r.rid for r in requests}
-    for r in requests:
-        engine.add(r)
-    out: dict[int, Finished] = {}
-    while engine.has_work():
-        for f in engine.step():
-            out[f.rid] = f
-    engine.drain()
+    out = engine.run(requests)
     errors = [f.error for f in out.values() if f.error]
     if errors:
         raise ConfigError(f"{PROG}: {len(errors)} correctness requests failed: {errors[0]}")
