@@ -107,6 +107,9 @@ def test_model_logits_after_a_disk_round_trip_equal_uncached(tmp_path: Path) -> 
 def test_disk_tier_configuration_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="L2"):
         EngineConfig(l3_dir=str(tmp_path), l3_gib=1.0)
+    for policy in ("write_back", "write_through_selective"):
+        with pytest.raises(ConfigError, match=f"--write-policy {policy} nothing would reach"):
+            EngineConfig(l2_tokens=1024, l3_dir=str(tmp_path), l3_gib=1.0, write_policy=policy)
     with pytest.raises(ConfigError, match="l3-gib"):
         EngineConfig(l2_tokens=1024, l3_dir=str(tmp_path), l3_gib=0.0)
     with pytest.raises(ConfigError, match="l3-start"):

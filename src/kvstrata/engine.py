@@ -154,6 +154,12 @@ class EngineConfig:
                 raise ConfigError(f"--l3-start must be clear or load, got {self.l3_start!r}")
             if not isinstance(self.l3_min_hits, int) or self.l3_min_hits < 0:
                 raise ConfigError(f"--l3-min-hits must be >= 0, got {self.l3_min_hits!r}")
+            if self.write_policy != "write_through":
+                raise ConfigError(
+                    f"the disk tier spills the pages each write-through backup commits; with "
+                    f"--write-policy {self.write_policy} nothing would reach the disk: use "
+                    "--write-policy write_through with --l3-dir"
+                )
         if not 0 < self.max_host_alloc_gib <= 2**20:
             raise ConfigError(
                 f"the per-allocation cap must be > 0 GiB, got {self.max_host_alloc_gib!r}"
