@@ -133,3 +133,29 @@ def test_cp2_model_logits_after_a_disk_round_trip_equal_uncached(tmp_path: Path)
         fresh = recompute_uncached(compute, solo, r)
         got = torch.as_tensor(ranks[0]["logits"][r.rid])
         assert float((fresh - got).abs().max()) <= 1e-4, r.rid
+
+
+def _drain_mid_lookup(group: Group, root: str, request: Request) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    engine = Engine(SyntheticCompute(8, 1000), _config(root, "load"), group=group, model_id="none")
+    engine.keep_logits = {request.rid}
+    try:
+        engine.add(request)
+        engine.step()  # the lookup waits for the next frontier
+        engine.drain()  # gives it up: nothing reserved, nothing in flight
+        held = engine.disk.held_pages if engine.disk else -1
+        engine.check()
+        out = engine.run([], check=True)
+    finally:
+        engine.close()
+    return {"held": held, "payload": {rid: f.payload for rid, f in out.items()}, "errors": []}
+
+
+def test_cp2_drain_gives_up_a_pending_lookup(tmp_path: Path) -> None:
+    root = str(tmp_path / "l3")
+    requests = builtin(1000, seed=11, n_requests=40)
+    run_ranks(2, _run, ("none", root, "clear", requests, -1), timeout_s=TIMEOUT_S)
+    again = Request(1000, requests[-1].tokens)
+    ranks = run_ranks(2, _drain_mid_lookup, (root, again), timeout_s=TIMEOUT_S)
+    assert [r["held"] for r in ranks] == [0, 0]
+    _exact(ranks[0], [again])

@@ -302,3 +302,15 @@ def test_replay_refuses_a_draft_with_another_vocabulary() -> None:
 
     with pytest.raises(ConfigError, match="vocabulary"):
         run_replay(_replay_cfg(draft_model="small"), progress=False)
+
+
+def test_directory_transport_clear_removes_a_previous_runs_parts(tmp_path: Path) -> None:
+    compute = SyntheticCompute(8, 1000)
+    engine = Engine(compute, EngineConfig(page_size=4, pool_tokens=256))
+    request = builtin(1000, seed=2, n_requests=1)[0]
+    (f,) = run(engine, [request]).values()
+    old = DirectoryTransport(tmp_path)
+    old.send(_part(engine, f))  # left behind by a run that never received it
+    assert DirectoryTransport(tmp_path).clear() == 1
+    with pytest.raises(HandoffError, match="before the timeout"):
+        DirectoryTransport(tmp_path).receive(request.rid, timeout_s=0.05)

@@ -452,7 +452,12 @@ class Engine:
         return out
 
     def drain(self, timeout_s: float = 60.0) -> None:
-        """Wait (bounded) for every copy in flight and settle it at the frontier."""
+        """Wait (bounded) for every copy in flight and settle it at the frontier. Disk lookups
+        still waiting for the ranks' agreement are given up (their requests wait again and will
+        compute), so settling starts no new reload."""
+        if self._lookups:
+            self.waiting.extendleft(reversed([lk.waiting for lk in self._lookups]))
+            self._lookups = []
         if self.transfer is not None:
             self.transfer.synchronize(timeout_s)
             if self.disk is not None:
@@ -559,7 +564,8 @@ class Engine:
                 if brought is not None:
                     self._l3_tokens[brought[0]] = brought[1]
                 self.waiting.appendleft(self._parked.pop(ticket))
-        back = [lk.waiting for lk, n in zip(lookups, frontier.agree, strict=True)
+        agreed = frontier.agree if len(frontier.agree) == len(lookups) else progress.agree
+        back = [lk.waiting for lk, n in zip(lookups, agreed, strict=True)
                 if not self._reload_agreed(lk, n)]  # fmt: skip
         self.waiting.extendleft(reversed(back))
 
@@ -615,6 +621,7 @@ class Engine:
             try:
                 run = self._try_start(request, key, arrived_at, now)
             except RequestError as error:
+                self._forget(request.rid)
                 failed.append(
                     Finished(request.rid, len(key), 0, None, now - arrived_at, str(error))
                 )
@@ -651,8 +658,9 @@ class Engine:
         if self.cp > 1:  # each rank knows its own pages: the next frontier agrees on the count
             P = self.config.page_size
             first, last = hit.valid_len // P, limit // P
-            if last <= first:
-                return False
+            parent = hit.last_node
+            if last <= first or (parent is not self.tree.root and not parent.on_host):
+                return False  # nothing a reload could attach to: decided alike, no lookup
             self._lookups.append(
                 _Lookup(waiting, first, self.disk.local_count(hashes, first, last))
             )
@@ -671,8 +679,11 @@ class Engine:
         limit = self._reusable_len(len(key))
         hit = self.tree.match_prefix(key, max_len=limit, record=False)  # it may have grown
         P = self.config.page_size
-        count = lookup.first + count - hit.valid_len // P
-        if count <= 0 or hit.valid_len >= limit:
+        now = hit.valid_len // P
+        if now < lookup.first or hit.valid_len >= limit:  # shrank: pages no rank looked up
+            return False
+        count = lookup.first + count - now
+        if count <= 0:
             return False
         ticket = self.disk.try_reload(
             key, self._page_hashes(request, key), hit.valid_len, limit, hit.last_node,
@@ -911,6 +922,13 @@ class Engine:
                     f"after engine step {self.steps}: the {name} of rank {self.rank} differs "
                     f"from rank(s) {differ} ({value[:16]} vs {every[differ[0]][name][:16]})"
                 )
+
+    def _forget(self, rid: int) -> None:
+        """Drop what the engine kept for request ``rid`` (it finished or failed)."""
+        self._hashes.pop(rid, None)
+        self._reload_tried.discard(rid)
+        self._l3_tokens.pop(rid, None)
+        self.keep_handoff.discard(rid)
 
     def _finish(self, run: _Running, now: float) -> Finished:
         self._hashes.pop(run.request.rid, None)

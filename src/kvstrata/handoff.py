@@ -208,6 +208,14 @@ class DirectoryTransport:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
 
+    def clear(self) -> int:
+        """Remove every part (and half-written file) a previous run left; returns how many. Call
+        it on one rank before any rank sends (a replay: rank 0, before the ranks first meet)."""
+        stale = [*self.directory.glob("*.rank*.safetensors"), *self.directory.glob("*.rank*.tmp")]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return len(stale)
+
     def _path(self, rid: int, rank: int) -> Path:
         return self.directory / f"{rid}.rank{rank}.safetensors"
 

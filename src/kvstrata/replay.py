@@ -208,7 +208,8 @@ class DecodeReport:
     """What ``--decode-tokens`` found: greedy decoding from each sampled request's handoff
     against decoding from a prefill of the same request with an empty cache.
 
-    tokens_equal: requests whose decoded tokens equal the uncached run's.
+    tokens_equal: requests whose decoded tokens (and, with a draft, the draft's verdict at every
+        position) equal the uncached run's.
     acceptance_*: the draft's greedy acceptance rate (share of decoded positions where its
         greedy token equals the target's), over the sampled requests that hit the cache, from
         the cached prefill's handoff and from the uncached one (they must be equal); None
@@ -856,6 +857,8 @@ def _run(
     group: Group,
     observers: Sequence[ReplayObserver] = (),
 ) -> ReplaySummary:
+    if cfg.decode_tokens and cfg.handoff_dir is not None and group.rank == 0:
+        DirectoryTransport(cfg.handoff_dir).clear()  # no rank sends before the ranks meet below
     _agree_on_config(group, cfg)
     shape = _shape(cfg, compute)
     # Under CP a request spreads over every rank's pool, so cp pools bound its length.
@@ -1237,8 +1240,10 @@ class _Decoder:
         self.handoff_bytes += sum(p.nbytes for p in parts)
         a, b = self._decode(parts, cached), self._decode([fresh.handoff], fresh)
         self.requests += 1
-        self.equal += int(a.tokens == b.tokens)
-        if cached.cached_len and self.draft is not None:
+        # The same tokens, and the same draft verdict at every position (a wrong draft KV would
+        # change the draft's proposals, not the target's tokens).
+        self.equal += int(a.tokens == b.tokens and a.draft_agreed == b.draft_agreed)
+        if cached.cached_len:
             self.hit_requests += 1
             self.agreed["cached"].extend(a.draft_agreed)
             self.agreed["uncached"].extend(b.draft_agreed)

@@ -89,7 +89,11 @@ class DiskTier:
         # state, released when the frontier covers the ticket.
         self.tree.host_lock(node)
         self._spills[ticket] = node
-        if not self.store.spill(ticket, pages, self.host_pool):
+        try:
+            accepted = self.store.spill(ticket, pages, self.host_pool)
+        except Exception:  # any store fault is a skipped spill (counted), never a lost lock
+            accepted = False
+        if not accepted:
             self.stats.spills_refused += 1
             self.ledger.finish(ticket, ok=False, error="the disk store refused the spill")
             return
