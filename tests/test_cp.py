@@ -248,3 +248,28 @@ def test_replay_with_cp2_and_the_disk_tier_runs_to_the_end(tmp_path: Path) -> No
     assert summary.verify.ok and summary.verify.payload_mismatched_bytes == 0
     assert summary.to_json()["hit_tokens_by_tier"]["l3"] > 0
     assert audit_directory(tmp_path / "l3").clean
+
+
+def _failing_loads(group: Group) -> None:
+    """Rank 1's host -> device copies fail: it stops, naming itself, instead of rolling the
+    load-back back on its own (which would fork the replicated tree)."""
+    torch.set_num_threads(1)
+    config = EngineConfig(**{**BASE, "pool_tokens": 320, "check_digests": True})
+    engine = Engine(_compute("none"), config, group=group)
+    transfer = engine.transfer
+    assert transfer is not None
+    real_copy = transfer.copier.copy
+
+    def copy(direction: str, *args: Any) -> None:
+        if group.rank == 1 and direction == "h2d":
+            raise RuntimeError("injected h2d failure")
+        real_copy(direction, *args)  # type: ignore[arg-type]
+
+    transfer.copier.copy = copy  # type: ignore[method-assign]
+    engine.run(_requests("none", 80))
+
+
+@pytest.mark.slow
+def test_a_load_back_failure_on_one_rank_stops_the_run_naming_it() -> None:
+    with pytest.raises(CollectiveError, match=r"rank 1.*load-back ticket \d+ failed"):
+        run_ranks(2, _failing_loads, (), timeout_s=60)

@@ -77,6 +77,13 @@ class LoadBack:
         self.drain()
         if self._landed.get(ticket) is False:  # the CPU path copies at once: it failed
             self.stats.failed += 1
+            if cp > 1:  # only this rank knows: rolling back here alone would fork the tree
+                raise TransferError(
+                    f"rank {self.rank}: load-back ticket {ticket} failed "
+                    f"({self.ledger.error(ticket) or 'copy error'}); under context "
+                    "parallelism a copy failure on one rank stops the run instead of letting the "
+                    "ranks' trees diverge"
+                )
             for node in reversed(hit.host_nodes):  # leaf side first: device residency is rooted
                 tree.trim(node, Tier.L1, node.span)
             return False
