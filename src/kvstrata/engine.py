@@ -482,6 +482,14 @@ class Engine:
                 f"device pages used {self.allocator.num_used} != tree {self.tree.num_pages} + "
                 f"running {held}"
             )
+        held_back = [lk.waiting.request.rid for lk in self._lookups] + [
+            w.request.rid for w in self._parked.values()
+        ]
+        elsewhere = {w.request.rid for w in self.waiting} | {r.request.rid for r in self.running}
+        if len(set(held_back)) != len(held_back) or elsewhere.intersection(held_back):
+            raise AssertionError(
+                f"a request waits for the disk twice or also runs / waits: {sorted(held_back)}"
+            )
         nodes = self.tree.nodes()
         locks = self.tree.root.lock_ref + sum(n.lock_ref for n in nodes)
         if locks != len(self.running):

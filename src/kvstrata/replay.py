@@ -968,6 +968,7 @@ def _run(
             "verify": cfg.verify,
             "draft_model": cfg.draft_model,
             "decode_tokens": cfg.decode_tokens,
+            "handoff_dir": cfg.handoff_dir,
             "seed": cfg.seed,
             "threads": torch.get_num_threads(),
             "arrivals": arrivals.describe(),
