@@ -314,3 +314,31 @@ def test_directory_transport_clear_removes_a_previous_runs_parts(tmp_path: Path)
     assert DirectoryTransport(tmp_path).clear() == 1
     with pytest.raises(HandoffError, match="before the timeout"):
         DirectoryTransport(tmp_path).receive(request.rid, timeout_s=0.05)
+
+
+def test_draft_payloads_take_only_the_drafts_layers() -> None:
+    """tiny-draft has one of tiny's two layers: its K/V add half the target's bytes per page, not
+    as much again, in every tier (device pool, host pool, disk slots, handoff)."""
+    compute = pair()
+    target = PRESETS["tiny"].kv_layout("float32")
+    layout = compute.layout
+    assert layout.layers("draft_k") == 1 and layout.layers("k") == 2
+    assert layout.page_bytes(16) * 2 == target.page_bytes(16) * 3
+    pool = DevicePool(layout, 16, 4)
+    assert pool.total_bytes == layout.page_bytes(16) * 4
+    with pytest.raises(ConfigError, match="outside"):
+        pool.buffer("draft_k", 1)
+    engine = Engine(compute, CONFIG)
+    request = builtin(compute.vocab_size, seed=3, n_requests=1)[0]
+    (f,) = run(engine, [request]).values()
+    assert f.handoff is not None
+    assert f.handoff.payloads["draft_k"].shape[0] == 1 and f.handoff.payloads["k"].shape[0] == 2
+
+
+def test_payload_layer_counts_are_validated() -> None:
+    from kvstrata.config import KVLayout, PayloadSpec
+
+    with pytest.raises(ConfigError, match="num_layers must be an integer >= 1"):
+        PayloadSpec("k", (2,), num_layers=0)
+    with pytest.raises(ConfigError, match="has 3 layers, the layout 2"):
+        KVLayout(2, (PayloadSpec("k", (2,), num_layers=3),))

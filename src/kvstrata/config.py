@@ -66,11 +66,14 @@ class PayloadSpec:
     """One family of per-token KV tensors: its name, per-layer per-token shape and dtype.
 
     A page of this payload in one layer is a tensor of shape ``[page_size, *token_shape]``.
+    ``num_layers``: the layers this payload has, the first ones of the layout (None: all of them);
+    a speculative draft model with fewer layers than the target stores only its own.
     """
 
     name: str
     token_shape: tuple[int, ...]
     dtype: str = "float32"
+    num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isidentifier():
@@ -86,6 +89,8 @@ class PayloadSpec:
             raise ConfigError(
                 f"payload {self.name!r}: dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}"
             )
+        if self.num_layers is not None:
+            _positive(f"payload {self.name!r}: num_layers", self.num_layers)
 
     @property
     def token_bytes(self) -> int:
@@ -110,10 +115,24 @@ class KVLayout:
         names = [p.name for p in self.payloads]
         if len(set(names)) != len(names):
             raise ConfigError(f"payload names must be unique, got {names}")
+        for p in self.payloads:
+            if p.num_layers is not None and p.num_layers > self.num_layers:
+                raise ConfigError(
+                    f"payload {p.name!r} has {p.num_layers} layers, the layout {self.num_layers}"
+                )
+
+    def layers(self, payload: PayloadSpec | str) -> int:
+        """How many layers ``payload`` has (the first ones of the layout)."""
+        spec = self.payload(payload) if isinstance(payload, str) else payload
+        return self.num_layers if spec.num_layers is None else spec.num_layers
 
     def page_bytes(self, page_size: int) -> int:
-        """Bytes one page takes across all payloads and layers."""
-        return page_size * self.num_layers * sum(p.token_bytes for p in self.payloads)
+        """Bytes one page takes across all payloads and their layers."""
+        return page_size * sum(self.layers(p) * p.token_bytes for p in self.payloads)
+
+    def layer_bytes(self, layer: int) -> int:
+        """Bytes one token takes in ``layer``, over the payloads that have it."""
+        return sum(p.token_bytes for p in self.payloads if layer < self.layers(p))
 
     def payload(self, name: str) -> PayloadSpec:
         for p in self.payloads:

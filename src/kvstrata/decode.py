@@ -88,13 +88,16 @@ def _pool_for(kv: AssembledKV, num_tokens: int, device: torch.device) -> DeviceP
     """A pool of the handoff's payloads with room for the prompt and ``num_tokens`` more."""
     if not kv.payloads:
         raise HandoffError(f"request {kv.rid}: the handoff holds no payloads")
-    specs, layers = [], set()
-    for name, rows in kv.payloads.items():
-        layers.add(rows.shape[0])
-        dtype = str(rows.dtype).removeprefix("torch.")
-        specs.append(PayloadSpec(name, tuple(rows.shape[2:]), dtype))
-    if len(layers) != 1:
-        raise HandoffError(f"request {kv.rid}: payloads with different layer counts {layers}")
-    layout = KVLayout(num_layers=layers.pop(), payloads=tuple(specs))
+    top = max(rows.shape[0] for rows in kv.payloads.values())
+    specs = [
+        PayloadSpec(
+            name,
+            tuple(rows.shape[2:]),
+            str(rows.dtype).removeprefix("torch."),
+            None if rows.shape[0] == top else rows.shape[0],
+        )
+        for name, rows in kv.payloads.items()
+    ]
+    layout = KVLayout(num_layers=top, payloads=tuple(specs))
     slots = page_span(kv.num_tokens + num_tokens, kv.page_size)
     return DevicePool(layout, kv.page_size, slots, device)

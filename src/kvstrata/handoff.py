@@ -91,7 +91,7 @@ def export_handoff(
         spec.name: torch.stack(
             [
                 pool.buffer(spec.name, layer).index_select(0, slots)
-                for layer in range(pool.layout.num_layers)
+                for layer in range(pool.layout.layers(spec))
             ]
         ).cpu()
         for spec in pool.layout.payloads

@@ -134,7 +134,11 @@ class ModelConfig:
         if draft is not None:
             check_draft(self, draft)
             shape = (draft.num_kv_heads, draft.head_dim)
-            payloads += [PayloadSpec("draft_k", shape, dtype), PayloadSpec("draft_v", shape, dtype)]
+            layers = draft.num_layers if draft.num_layers < self.num_layers else None
+            payloads += [
+                PayloadSpec("draft_k", shape, dtype, layers),
+                PayloadSpec("draft_v", shape, dtype, layers),
+            ]
         return KVLayout(num_layers=self.num_layers, payloads=tuple(payloads))
 
     @classmethod

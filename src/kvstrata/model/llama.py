@@ -286,12 +286,13 @@ class LlamaModel(nn.Module):
             raise ConfigError(
                 f"the batch was built for page_size {batch.page_size}, the pool has {pool.page_size}"
             )
-        if pool.layout.num_layers < config.num_layers:
-            raise ConfigError(
-                f"the pool holds {pool.layout.num_layers} layers, the model has {config.num_layers}"
-            )
         for name in (f"{self.payload_prefix}k", f"{self.payload_prefix}v"):
             spec = pool.layout.payload(name)
+            if pool.layout.layers(spec) < config.num_layers:
+                raise ConfigError(
+                    f"pool payload {name!r} holds {pool.layout.layers(spec)} layers, the model "
+                    f"has {config.num_layers}"
+                )
             if spec.token_shape != (config.num_kv_heads, config.head_dim):
                 raise ConfigError(
                     f"pool payload {name!r} has token shape {spec.token_shape}, the model needs "

@@ -84,5 +84,5 @@ def host_page_bytes(host_pool: HostPool, payload: str, host_slot: int) -> list[t
         return [host_pool.slab_tensor(payload, 0, slab)[row].reshape(-1).view(torch.uint8)]
     return [
         host_pool.page(payload, layer, host_slot).reshape(-1).view(torch.uint8)
-        for layer in range(host_pool.layout.num_layers)
+        for layer in range(host_pool.layout.layers(payload))
     ]

@@ -127,8 +127,10 @@ class HostPool:
         self.max_alloc_bytes = max_alloc_bytes
 
         # Bytes of one slot in one allocation: the largest over payloads sets the slab size.
-        per_layer = 1 if host_layout == "layer_first" else layout.num_layers
-        slot_bytes = max(page_size * per_layer * p.token_bytes for p in layout.payloads)
+        slot_bytes = max(
+            page_size * (1 if host_layout == "layer_first" else layout.layers(p)) * p.token_bytes
+            for p in layout.payloads
+        )
         if slot_bytes > max_alloc_bytes:
             raise ConfigError(
                 f"one host page takes {slot_bytes} bytes in one allocation, more than the "
@@ -155,10 +157,11 @@ class HostPool:
         for spec in layout.payloads:
             dtype = torch_dtype(spec.dtype)
             per_layer_shape = (page_size, *spec.token_shape)
+            layers = layout.layers(spec)
             if host_layout == "page_first":
-                per_layer_shape = (layout.num_layers, *per_layer_shape)
+                per_layer_shape = (layers, *per_layer_shape)
             groups = []
-            for _ in range(layout.num_layers if host_layout == "layer_first" else 1):
+            for _ in range(layers if host_layout == "layer_first" else 1):
                 slabs = []
                 for slab in range(self.num_slabs):
                     start, stop = self.slab_bounds(slab)
@@ -235,10 +238,9 @@ class HostPool:
         groups = self._slabs.get(payload)
         if groups is None:
             raise ConfigError(f"no payload {payload!r} in this pool; it has {sorted(self._slabs)}")
-        if not 0 <= layer < self.layout.num_layers:
-            raise ConfigError(
-                f"layer {layer} is outside [0, {self.layout.num_layers}) for this pool"
-            )
+        layers = self.layout.layers(payload)
+        if not 0 <= layer < layers:
+            raise ConfigError(f"layer {layer} is outside [0, {layers}) for payload {payload!r}")
         return groups[layer if self.host_layout == "layer_first" else 0]
 
     def slab_tensor(self, payload: str, layer: int, slab: int) -> torch.Tensor:
@@ -258,7 +260,7 @@ class HostPool:
         page_bytes = self.page_size * self.layout.payload(payload).token_bytes
         if self.host_layout == "layer_first":
             return page_bytes, 0, page_bytes
-        return self.layout.num_layers * page_bytes, layer * page_bytes, page_bytes
+        return self.layout.layers(payload) * page_bytes, layer * page_bytes, page_bytes
 
     def page(self, payload: str, layer: int, slot: int) -> torch.Tensor:
         """One page of ``payload`` in ``layer``: ``[page_size, *token_shape]`` (a view)."""
@@ -281,7 +283,7 @@ class HostPool:
             raise PoolInvariantError(f"slabs cover {covered} slots, not {self.num_slots}")
         extents = []
         for spec in self.layout.payloads:
-            for layer in range(self.layout.num_layers):
+            for layer in range(self.layout.layers(spec)):
                 for slab in range(self.num_slabs):
                     start, stop = self.slab_bounds(slab)
                     v = self.view(spec.name, layer, slab)

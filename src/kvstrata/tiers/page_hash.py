@@ -81,7 +81,8 @@ class Namespace:
 
     def payload_bytes(self, kind: int) -> int:
         """Bytes one page of payload ``kind`` (its index in ``payloads``) takes, all layers."""
-        return self.num_layers * self.page_size * self.payloads[kind].token_bytes
+        spec = self.payloads[kind]
+        return self.layout.layers(spec) * self.page_size * spec.token_bytes
 
     def canonical(self) -> bytes:
         """The encoding the digest is taken over: sorted-key compact JSON, UTF-8."""
@@ -92,7 +93,11 @@ class Namespace:
             "num_layers": self.num_layers,
             "page_size": self.page_size,
             "cp_size": self.cp_size,
-            "payloads": [[p.name, list(p.token_shape), p.dtype] for p in self.payloads],
+            "payloads": [
+                [p.name, list(p.token_shape), p.dtype]
+                + ([] if p.num_layers is None else [p.num_layers])
+                for p in self.payloads
+            ],
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 

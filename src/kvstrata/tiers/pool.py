@@ -58,7 +58,7 @@ class DevicePool:
                         dtype=torch_dtype(spec.dtype),
                         device=self.device,
                     )
-                    for _ in range(layout.num_layers)
+                    for _ in range(layout.layers(spec))
                 ]
                 for spec in layout.payloads
             }

@@ -261,9 +261,10 @@ class Transfer:
             }
         self._tickets: dict[int, _Ticket] = {}
         self._closed: dict[Direction, deque[_Ticket]] = {"d2h": deque(), "h2d": deque()}
-        self._layer_page_bytes = device_pool.page_size * sum(
-            p.token_bytes for p in device_pool.layout.payloads
-        )
+        layout = device_pool.layout  # bytes of one page in each layer (payloads may skip some)
+        self._layer_page_bytes = [
+            device_pool.page_size * layout.layer_bytes(layer) for layer in range(layout.num_layers)
+        ]
         self._pages = {"d2h": 0, "h2d": 0}
         self._bytes = {"d2h": 0, "h2d": 0}
         self._submitted = {"d2h": 0, "h2d": 0}
@@ -318,8 +319,8 @@ class Transfer:
             rec.missing.add(layer)
             self._failed_copies += 1
             return
-        rec.bytes += dev.numel() * self._layer_page_bytes
-        self._submitted[direction] += dev.numel() * self._layer_page_bytes
+        rec.bytes += dev.numel() * self._layer_page_bytes[layer]
+        self._submitted[direction] += dev.numel() * self._layer_page_bytes[layer]
 
     def _copy_layer(
         self, direction: Direction, layer: int, dev: torch.Tensor, host: torch.Tensor, rec: _Ticket
@@ -362,7 +363,10 @@ class Transfer:
         layer: int,
         pairs: list[tuple[int, torch.Tensor, torch.Tensor]],
     ) -> None:
-        for spec in self.device_pool.layout.payloads:
+        layout = self.device_pool.layout
+        for spec in layout.payloads:
+            if layer >= layout.layers(spec):
+                continue  # a payload of fewer layers (a speculative draft's)
             for slab, dev_slots, host_rows in pairs:
                 self.copier.copy(direction, spec.name, layer, slab, dev_slots, host_rows)
 
