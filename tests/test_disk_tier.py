@@ -114,3 +114,31 @@ def test_disk_tier_configuration_errors(tmp_path: Path) -> None:
         EngineConfig(l2_tokens=1024, l3_dir=str(tmp_path), l3_gib=0.0)
     with pytest.raises(ConfigError, match="l3-start"):
         EngineConfig(l2_tokens=1024, l3_dir=str(tmp_path), l3_gib=1.0, l3_start="warm")
+
+
+def test_requests_missing_the_same_pages_share_one_reload(tmp_path: Path) -> None:
+    """Four requests arrive together after a restart, all missing the same 400-token prefix: the
+    disk is read once (the others wait for that read), and the tokens it brought count as L3 hits
+    once; the other three hit what the first loaded back."""
+    prompt = np.arange(1, 401, dtype=np.uint32)
+    first = Engine(SyntheticCompute(8, 1000), config(tmp_path), model_id="none:8")
+    try:
+        run_all(first, [Request(0, prompt)])
+    finally:
+        first.close()
+    second = Engine(SyntheticCompute(8, 1000), config(tmp_path, "load"), model_id="none:8")
+    requests = [
+        Request(i, np.concatenate([prompt, [7 + i, 8, 9]]).astype(np.uint32)) for i in range(1, 5)
+    ]
+    second.keep_logits = {r.rid for r in requests}
+    try:
+        out = run_all(second, requests)
+    finally:
+        second.close()
+    assert second.disk is not None
+    assert second.disk.stats.reloads == 1 and second.disk.stats.reloaded_pages == 25
+    assert second.hit_tokens[Tier.L3] == 400
+    assert all(out[r.rid].cached_len == 400 for r in requests)
+    for r in requests:
+        expected = synthetic_payload(torch.from_numpy(r.tokens.astype(np.int64)), 8)
+        assert torch.equal(out[r.rid].payload, expected), r.rid

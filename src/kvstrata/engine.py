@@ -201,6 +201,9 @@ class _Lookup(NamedTuple):
     waiting: _Waiting
     first: int  # the first sequence page the tree missed when it looked
     found: int  # pages from there this rank's disk can serve (before the ranks' MIN)
+    parent: Node  # where the tree's match ended
+    first_hash: bytes  # the content address of page ``first``
+    followers: list[_Waiting]  # requests that missed the same pages since: they share the read
 
 
 class _Waiting(NamedTuple):
@@ -329,7 +332,9 @@ class Engine:
                 self.tree, self.host_allocator, self.host_pool, store, self.ledger, self.rank
             )
         self._hashes: dict[int, list[bytes]] = {}  # rid -> its full pages' content addresses
-        self._parked: dict[int, _Waiting] = {}  # reload ticket -> the request waiting for it
+        # reload ticket -> the requests waiting for it: the one that asked, then any that missed
+        # the same pages meanwhile (they share the read instead of reading again)
+        self._parked: dict[int, list[_Waiting]] = {}
         # Under CP: requests whose disk lookup waits for the ranks' MIN (the next frontier).
         self._lookups: list[_Lookup] = []
         self._reload_tried: set[int] = set()
@@ -483,7 +488,7 @@ class Engine:
                 f"running {held}"
             )
         held_back = [lk.waiting.request.rid for lk in self._lookups] + [
-            w.request.rid for w in self._parked.values()
+            w.request.rid for parked in self._parked.values() for w in parked
         ]
         elsewhere = {w.request.rid for w in self.waiting} | {r.request.rid for r in self.running}
         if len(set(held_back)) != len(held_back) or elsewhere.intersection(held_back):
@@ -553,6 +558,7 @@ class Engine:
         lookups, self._lookups = self._lookups, []
         progress = replace(self.ledger.progress(), agree=tuple(lk.found for lk in lookups))
         frontier = self.frontier(progress)
+        back: list[_Waiting] = []  # requests whose disk wait ended, in the order they waited
         for ticket, kind, ok in self.ledger.advance(frontier):
             if kind is TicketKind.BACKUP:
                 assert self.backups is not None
@@ -571,10 +577,11 @@ class Engine:
                 brought = self.disk.settle_reload(ticket, ok)
                 if brought is not None:
                     self._l3_tokens[brought[0]] = brought[1]
-                self.waiting.appendleft(self._parked.pop(ticket))
+                back += self._parked.pop(ticket)
         agreed = frontier.agree if len(frontier.agree) == len(lookups) else progress.agree
-        back = [lk.waiting for lk, n in zip(lookups, agreed, strict=True)
-                if not self._reload_agreed(lk, n)]  # fmt: skip
+        for lk, n in zip(lookups, agreed, strict=True):
+            if not self._reload_agreed(lk, n):
+                back += [lk.waiting, *lk.followers]
         self.waiting.extendleft(reversed(back))
 
     def before_layer(self, layer: int) -> None:
@@ -615,7 +622,7 @@ class Engine:
             min(cfg.chunk_size, len(r.key) - r.done_len) for r in self.running
         )
         passed: list[_Waiting] = []
-        looked = len(self._lookups)  # under CP a lookup takes the admission slot it would use
+        looked = self._looking()  # under CP a lookup takes the admission slot it would use
         while self.waiting and len(self.running) + looked < cfg.max_batch_requests and budget > 0:
             waiting = self.waiting.popleft()
             request, key, arrived_at = waiting
@@ -624,7 +631,7 @@ class Engine:
                 self.deferred += 1
                 continue
             if self.disk is not None and self._start_reload(waiting):
-                looked = len(self._lookups)
+                looked = self._looking()
                 continue  # parked until the disk read lands; the others go on
             try:
                 run = self._try_start(request, key, arrived_at, now)
@@ -641,6 +648,10 @@ class Engine:
             budget -= min(cfg.chunk_size, len(key) - run.done_len)
         self.waiting.extendleft(reversed(passed))
         return failed
+
+    def _looking(self) -> int:
+        """Requests waiting for the ranks to agree on a disk lookup (followers included)."""
+        return sum(1 + len(lk.followers) for lk in self._lookups)
 
     def _page_hashes(self, request: Request, key: TokenKey) -> list[bytes]:
         """The content addresses of ``request``'s full pages (computed once)."""
@@ -663,20 +674,29 @@ class Engine:
         if hit.valid_len >= limit:
             return False
         hashes = self._page_hashes(request, key)
-        if self.cp > 1:  # each rank knows its own pages: the next frontier agrees on the count
-            P = self.config.page_size
-            first, last = hit.valid_len // P, limit // P
-            parent = hit.last_node
-            if last <= first or (parent is not self.tree.root and not parent.on_host):
-                return False  # nothing a reload could attach to: decided alike, no lookup
-            self._lookups.append(
-                _Lookup(waiting, first, self.disk.local_count(hashes, first, last))
-            )
+        P = self.config.page_size
+        first, last, parent = hit.valid_len // P, limit // P, hit.last_node
+        if last <= first:
+            return False
+        # The same pages already on their way (same parent, same first page): wait for that read.
+        ticket = self.disk.pending_reload(parent, hashes[first])
+        if ticket is not None:
+            self._parked[ticket].append(waiting)
             return True
-        ticket = self.disk.try_reload(key, hashes, hit.valid_len, limit, hit.last_node, request.rid)
+        if self.cp > 1:  # each rank knows its own pages: the next frontier agrees on the count
+            for lk in self._lookups:
+                if lk.parent is parent and lk.first_hash == hashes[first]:
+                    lk.followers.append(waiting)
+                    return True
+            if parent is not self.tree.root and not parent.on_host:
+                return False  # nothing a reload could attach to: decided alike, no lookup
+            found = self.disk.local_count(hashes, first, last)
+            self._lookups.append(_Lookup(waiting, first, found, parent, hashes[first], []))
+            return True
+        ticket = self.disk.try_reload(key, hashes, hit.valid_len, limit, parent, request.rid)
         if ticket is None:
             return False
-        self._parked[ticket] = waiting
+        self._parked[ticket] = [waiting]
         return True
 
     def _reload_agreed(self, lookup: _Lookup, count: int) -> bool:
@@ -699,7 +719,7 @@ class Engine:
         )  # fmt: skip
         if ticket is None:
             return False
-        self._parked[ticket] = lookup.waiting
+        self._parked[ticket] = [lookup.waiting, *lookup.followers]
         return True
 
     def _refusal(self, request: Request) -> RequestError | None:

@@ -55,6 +55,7 @@ class _Reload:
     host_pages: IntArray
     parent: Node  # host-locked until the reload is inserted
     rid: int
+    first_hash: bytes  # the content address of its first page
     ok: tuple[bool, ...] = ()
 
 
@@ -152,11 +153,19 @@ class DiskTier:
         own = host_pages % cp == self.rank
         mine = [h for h, o in zip(hashes[first : first + count], own, strict=True) if o]
         self._reloads[ticket] = _Reload(
-            key.prefix((first + count) * P), cached_len, host_pages, parent, rid
+            key.prefix((first + count) * P), cached_len, host_pages, parent, rid, hashes[first]
         )
         if not self.store.reload(ticket, mine, self.host_pool, host_pages[own] // cp):
             self.ledger.finish(ticket, ok=False, error="the disk store refused the reload")
         return ticket
+
+    def pending_reload(self, parent: Node, first_hash: bytes) -> int | None:
+        """The ticket of a reload in flight that reads the page ``first_hash`` under ``parent``
+        (another request missed the same pages first), or None."""
+        for ticket, rec in self._reloads.items():
+            if rec.parent is parent and rec.first_hash == first_hash:
+                return ticket
+        return None
 
     # -- progress and the frontier ---------------------------------------------------------------
 
