@@ -679,14 +679,17 @@ class Engine:
         if last <= first:
             return False
         # The same pages already on their way (same parent, same first page): wait for that read.
+        # A follower may look again once that read lands: it may need pages past the first's.
         ticket = self.disk.pending_reload(parent, hashes[first])
         if ticket is not None:
             self._parked[ticket].append(waiting)
+            self._reload_tried.discard(request.rid)
             return True
         if self.cp > 1:  # each rank knows its own pages: the next frontier agrees on the count
             for lk in self._lookups:
                 if lk.parent is parent and lk.first_hash == hashes[first]:
                     lk.followers.append(waiting)
+                    self._reload_tried.discard(request.rid)
                     return True
             if parent is not self.tree.root and not parent.on_host:
                 return False  # nothing a reload could attach to: decided alike, no lookup
