@@ -221,7 +221,8 @@ class ForwardBatch:
             read_index=ReadRows(
                 page_table,
                 starts,
-                cu_seqlens.diff() + prefix_device,
+                cu_seqlens,
+                prefix_device,
                 [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)],
                 page_size,
             ),
@@ -258,16 +259,13 @@ class ForwardBatch:
         P = page_size
         touched = [t[p // P :] for t, p in zip(tables, prefix_lens, strict=True)]
         rows = (np.concatenate(touched)[:, None] * P + _offsets(P)).ravel()
-        writes, at = [], 0
-        for t, prefix, extend in zip(touched, prefix_lens, extend_lens, strict=True):
-            writes.append(rows[at + prefix % P : at + prefix % P + extend])
-            at += t.size * P
-        positions = np.concatenate(
-            [
-                np.arange(prefix, prefix + extend, dtype=np.int64)
-                for prefix, extend in zip(prefix_lens, extend_lens, strict=True)
-            ]
-        )
+        prefix = np.asarray(prefix_lens, dtype=np.int64)
+        extend = np.asarray(extend_lens, dtype=np.int64)
+        cu = np.asarray(cu_seqlens_host[:-1], dtype=np.int64)
+        at = np.cumsum([0, *(t.size * P for t in touched[:-1])]) + prefix % P  # r_i's first row
+        token = np.arange(cu_seqlens_host[-1], dtype=np.int64)
+        writes = rows[token + np.repeat(at - cu, extend)]
+        positions = token + np.repeat(prefix - cu, extend)
         last_rows = np.array(
             [
                 t[(p - 1) // P] * P + (p - 1) % P if p else -1
@@ -285,11 +283,12 @@ class ForwardBatch:
             cu_seqlens_host=cu_seqlens_host,
             cu_seqlens=cu_seqlens,
             positions=torch.from_numpy(positions),
-            write_index=torch.from_numpy(np.concatenate(writes)),
+            write_index=torch.from_numpy(writes),
             read_index=ReadRows(
                 page_table,
                 starts,
-                cu_seqlens.diff() + prefix_t,
+                cu_seqlens,
+                prefix_t,
                 [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)],
                 P,
             ),
@@ -320,11 +319,12 @@ class ReadRows(Sequence[torch.Tensor]):
         self,
         page_table: torch.Tensor,
         table_starts: torch.Tensor,
-        seq_device: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        prefix_lens: torch.Tensor,
         seq_lens: list[int],
         page_size: int,
     ) -> None:
-        self._args = (page_table, table_starts, seq_device, page_size)
+        self._args = (page_table, table_starts, cu_seqlens, prefix_lens, page_size)
         self._seq_lens = seq_lens
         self._rows: tuple[torch.Tensor, ...] | None = None
 
@@ -334,7 +334,8 @@ class ReadRows(Sequence[torch.Tensor]):
 
     def _all(self) -> tuple[torch.Tensor, ...]:
         if self._rows is None:
-            page_table, table_starts, seq_device, page_size = self._args
+            page_table, table_starts, cu_seqlens, prefix_lens, page_size = self._args
+            seq_device = cu_seqlens.diff() + prefix_lens  # extend + prefix, per request
             total, device = sum(self._seq_lens), page_table.device
             request = torch.repeat_interleave(
                 torch.arange(len(self._seq_lens), device=device), seq_device, output_size=total
