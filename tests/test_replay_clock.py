@@ -163,3 +163,16 @@ def test_builtin_default_numbers_are_unchanged() -> None:
         9_104,
         3_411,
     )
+
+
+@pytest.mark.slow
+def test_bench_replay_measures_the_scrapes_cpu_directly(capsys: pytest.CaptureFixture[str]) -> None:
+    """The metrics cost comes from the scraping threads' own CPU time (collector, exposition and
+    HTTP client), not only from the difference of two noisy process totals."""
+    from kvstrata.benchmarks.replay import run_main
+
+    args = ["--trace", "synthetic:0:2000", "--repeats", "1", "--scrape-interval", "0.02"]
+    assert run_main(args) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["best_on"]["scrapes"] > 0 and doc["best_on"]["scrape_cpu_s"] > 0
+    assert 0 < doc["metrics_scrape_cpu_share"] < 0.5

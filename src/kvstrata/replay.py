@@ -770,6 +770,7 @@ class ReplayRun:
     clock: Clock
     lock: threading.Lock  # held around every engine call; a metrics scrape takes it too
     metrics_url: str | None = None
+    metrics: CacheMetrics | None = None  # the collector, while metrics are served
 
 
 def run_replay(
@@ -899,7 +900,7 @@ def _run(
         from prometheus_client import CollectorRegistry  # an extra: imported when asked for
 
         registry = CollectorRegistry()
-        CacheMetrics(registry, engine, run.lock, tally.totals)
+        run.metrics = CacheMetrics(registry, engine, run.lock, tally.totals)
         server = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port)
         run.metrics_url = server.url
     try:

@@ -52,6 +52,7 @@ class Run:
     hit_ratio: float
     steps: int
     scrapes: int
+    scrape_cpu_s: float = 0.0  # measured in the scraping threads: collector, exposition, client
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -68,6 +69,8 @@ class _Scraper:
     def __init__(self, interval: float) -> None:
         self.interval = interval
         self.scrapes = 0
+        self.client_cpu_s = 0.0  # the scraping thread's own CPU (HTTP client)
+        self.collector_cpu_s = 0.0  # the server side: reading the engine and formatting
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -76,10 +79,12 @@ class _Scraper:
         assert url is not None
 
         def loop() -> None:
+            start = time.thread_time()
             while not self._stop.wait(self.interval):
                 with urllib.request.urlopen(url, timeout=30) as response:
                     response.read()
                 self.scrapes += 1
+            self.client_cpu_s = time.thread_time() - start
 
         self._thread = threading.Thread(target=loop, daemon=True)
         self._thread.start()
@@ -91,6 +96,8 @@ class _Scraper:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        if run.metrics is not None:
+            self.collector_cpu_s = run.metrics.cpu_s
 
 
 def measure(cfg: ReplayConfig, metrics: bool, scrape_interval: float) -> Run:
@@ -113,6 +120,7 @@ def measure(cfg: ReplayConfig, metrics: bool, scrape_interval: float) -> Run:
         hit_ratio=round(summary.hit_ratio, 6),
         steps=summary.steps,
         scrapes=scraper.scrapes if scraper else 0,
+        scrape_cpu_s=scraper.client_cpu_s + scraper.collector_cpu_s if scraper else 0.0,
     )
 
 
@@ -209,13 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     ons = [r for r in runs if r.metrics]
     off = min(offs, key=lambda r: r.engine_s)
     on = min(ons, key=lambda r: r.engine_s, default=None)
-    overhead = None
+    overhead = direct = None
     if ons:
         extra = statistics.median(r.cpu_s for r in ons) - statistics.median(r.cpu_s for r in offs)
         overhead = round(extra / statistics.median(r.engine_cpu_s for r in offs), 4)
         print(
             f"metrics overhead (extra process CPU with metrics / engine CPU, medians): "
             f"{overhead:+.2%}"
+        )
+        direct = statistics.median(r.scrape_cpu_s / r.engine_cpu_s for r in ons if r.engine_cpu_s)
+        print(
+            "metrics cost measured in the scraping threads (collector, exposition and client CPU "
+            f"/ engine CPU, median): {direct:.3%}"
         )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     print(
@@ -226,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 "prompt_tokens_per_s": round(off.prompt_tokens_per_s, 1),
                 "prompt_tokens_per_cpu_s": round(max(r.prompt_tokens_per_cpu_s for r in offs), 1),
                 "metrics_overhead": overhead,
+                "metrics_scrape_cpu_share": None if direct is None else round(direct, 6),
                 "best_off": asdict(off),
                 "best_on": asdict(on) if on else None,
                 "runs": [asdict(r) for r in runs],
