@@ -962,16 +962,14 @@ class Engine:
         self.keep_handoff.discard(rid)
 
     def _finish(self, run: _Running, now: float) -> Finished:
-        self._hashes.pop(run.request.rid, None)
-        self._reload_tried.discard(run.request.rid)
         payload = self._snapshot(run) if run.keep_logits else None
         handoff = None
         if run.request.rid in self.keep_handoff:
-            self.keep_handoff.discard(run.request.rid)
             handoff = export_handoff(
                 self.pool, run.request.rid, run.pages, len(run.key), self.rank, self.cp,
                 self.fingerprint,
             )  # fmt: skip
+        self._forget(run.request.rid)
         logits, draft_logits = _split_draft(run.logits, self.has_draft)
         all_logits = torch.cat(run.logit_chunks) if run.logit_chunks else None
         if run.duplicates:

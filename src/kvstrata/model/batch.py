@@ -182,34 +182,34 @@ class ForwardBatch:
         R = len(extend_lens)
         small = np.array([*table_starts, *prefix_lens, *cu_seqlens_host, *cached], dtype=np.int64)
         sizes = [sum(t.size for t in tables), R, R, R + 1, len(cached), num_tokens if ids else 0]
-        host = np.concatenate([*tables, small, *ids])
-        if device.type == "cpu":  # numpy indexes a host batch with a third of torch's overhead
-            return cls._on_host(
-                host, sizes, tables, prefix_lens, extend_lens, cu_seqlens_host, page_size, cached
-            )
-
         # One host-to-device copy for every index tensor, then views into it:
         #   [ page tables of r0 | r1 | ... | table starts (R) | prefix lens (R) | cu_seqlens (R+1)
         #     | cached requests (C) | input ids (T, if given) ]
-        staged = torch.from_numpy(host)
+        staged = torch.from_numpy(np.concatenate([*tables, small, *ids]))
         if device.type == "cuda":  # staged in pinned memory: the copy does not block the host
             staged = staged.pin_memory()
-        packed = staged.to(device, non_blocking=True)
+        packed = staged.to(device, non_blocking=True)  # on the CPU: the same tensor
         page_table, starts, prefix_device, cu_seqlens, cached_device, packed_ids = packed.split(
             sizes
         )
-
-        # On the device: each packed token's request, position and pool row.
-        request = torch.repeat_interleave(
-            torch.arange(R, device=device), cu_seqlens.diff(), output_size=num_tokens
-        )
-        positions = (
-            torch.arange(num_tokens, device=device) - cu_seqlens[request] + prefix_device[request]
-        )
-        write_index = _pool_rows(page_table, starts[request], positions, page_size)
-        last_prefix_row = _pool_rows(
-            page_table, starts, (prefix_device - 1).clamp(min=0), page_size
-        )
+        if device.type == "cpu":  # numpy indexes a host batch with a third of torch's overhead
+            positions, write_index, prefix_last_row = _host_indices(
+                tables, prefix_lens, extend_lens, cu_seqlens_host, page_size
+            )
+        else:  # on the device: each packed token's request, position and pool row
+            request = torch.repeat_interleave(
+                torch.arange(R, device=device), cu_seqlens.diff(), output_size=num_tokens
+            )
+            positions = (
+                torch.arange(num_tokens, device=device)
+                - cu_seqlens[request]
+                + prefix_device[request]
+            )
+            write_index = _pool_rows(page_table, starts[request], positions, page_size)
+            last_prefix_row = _pool_rows(
+                page_table, starts, (prefix_device - 1).clamp(min=0), page_size
+            )
+            prefix_last_row = torch.where(prefix_device > 0, last_prefix_row, -1)
         return cls(
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
@@ -234,74 +234,42 @@ class ForwardBatch:
             page_table=page_table,
             table_starts=starts,
             input_ids=packed_ids if ids else None,
-            prefix_last_row=torch.where(prefix_device > 0, last_prefix_row, -1),
+            prefix_last_row=prefix_last_row,
         )
 
-    @classmethod
-    def _on_host(
-        cls,
-        host: npt.NDArray[np.int64],
-        sizes: list[int],
-        tables: list[npt.NDArray[np.int64]],
-        prefix_lens: tuple[int, ...],
-        extend_lens: tuple[int, ...],
-        cu_seqlens_host: tuple[int, ...],
-        page_size: int,
-        cached: tuple[int, ...],
-    ) -> ForwardBatch:
-        """The same batch on the CPU, its per-token indices made in numpy: the pages the extends
-        touch, end to end, expanded to rows; request i's extend is the run of rows that starts at
-        its prefix's offset inside its first touched page::
 
-            rows   [ r0: pages prefix//P .. end | r1: pages ... | ... ]  (P rows per page)
-            write  rows[at_i : at_i + extend_i],  at_i = P * (pages before r0..i-1) + prefix % P
-        """
-        P = page_size
-        touched = [t[p // P :] for t, p in zip(tables, prefix_lens, strict=True)]
-        rows = (np.concatenate(touched)[:, None] * P + _offsets(P)).ravel()
-        prefix = np.asarray(prefix_lens, dtype=np.int64)
-        extend = np.asarray(extend_lens, dtype=np.int64)
-        cu = np.asarray(cu_seqlens_host[:-1], dtype=np.int64)
-        at = np.cumsum([0, *(t.size * P for t in touched[:-1])]) + prefix % P  # r_i's first row
-        token = np.arange(cu_seqlens_host[-1], dtype=np.int64)
-        writes = rows[token + np.repeat(at - cu, extend)]
-        positions = token + np.repeat(prefix - cu, extend)
-        last_rows = np.array(
-            [
-                t[(p - 1) // P] * P + (p - 1) % P if p else -1
-                for t, p in zip(tables, prefix_lens, strict=True)
-            ],
-            dtype=np.int64,
-        )
-        page_table, starts, prefix_t, cu_seqlens, cached_t, packed_ids = torch.from_numpy(
-            host
-        ).split(sizes)
-        return cls(
-            prefix_lens=prefix_lens,
-            extend_lens=extend_lens,
-            page_size=P,
-            cu_seqlens_host=cu_seqlens_host,
-            cu_seqlens=cu_seqlens,
-            positions=torch.from_numpy(positions),
-            write_index=torch.from_numpy(writes),
-            read_index=ReadRows(
-                page_table,
-                starts,
-                cu_seqlens,
-                prefix_t,
-                [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)],
-                P,
-            ),
-            last_index=cu_seqlens[1:] - 1,
-            max_extend=max((extend_lens[i] for i in cached), default=0),
-            cached_requests_host=cached,
-            cached_requests=cached_t,
-            prefix_lens_device=prefix_t,
-            page_table=page_table,
-            table_starts=starts,
-            input_ids=packed_ids if sizes[-1] else None,
-            prefix_last_row=torch.from_numpy(last_rows),
-        )
+def _host_indices(
+    tables: list[npt.NDArray[np.int64]],
+    prefix_lens: tuple[int, ...],
+    extend_lens: tuple[int, ...],
+    cu_seqlens_host: tuple[int, ...],
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Positions, write rows and prefix-last rows of a CPU batch, made in numpy: the pages the
+    extends touch, end to end, expanded to rows; request i's extend is the run of rows that starts
+    at its prefix's offset inside its first touched page::
+
+        rows   [ r0: pages prefix//P .. end | r1: pages ... | ... ]  (P rows per page)
+        write  rows[at_i : at_i + extend_i],  at_i = P * (pages before r0..i-1) + prefix % P
+    """
+    P = page_size
+    touched = [t[p // P :] for t, p in zip(tables, prefix_lens, strict=True)]
+    rows = (np.concatenate(touched)[:, None] * P + _offsets(P)).ravel()
+    prefix = np.asarray(prefix_lens, dtype=np.int64)
+    extend = np.asarray(extend_lens, dtype=np.int64)
+    cu = np.asarray(cu_seqlens_host[:-1], dtype=np.int64)
+    at = np.cumsum([0, *(t.size * P for t in touched[:-1])]) + prefix % P  # r_i's first row
+    token = np.arange(cu_seqlens_host[-1], dtype=np.int64)
+    writes = rows[token + np.repeat(at - cu, extend)]
+    positions = token + np.repeat(prefix - cu, extend)
+    last_rows = np.array(
+        [
+            t[(p - 1) // P] * P + (p - 1) % P if p else -1
+            for t, p in zip(tables, prefix_lens, strict=True)
+        ],
+        dtype=np.int64,
+    )
+    return torch.from_numpy(positions), torch.from_numpy(writes), torch.from_numpy(last_rows)
 
 
 @cache
