@@ -59,7 +59,7 @@ def test_small_l1_and_l2_hit_from_disk_with_exact_bytes(tmp_path: Path) -> None:
     finally:
         engine.close()
     assert engine.hit_tokens[Tier.L3] > 0
-    assert engine.disk is not None and engine.disk.stats.spilled_pages > 0
+    assert engine.cache.disk is not None and engine.cache.disk.stats.spilled_pages > 0
     for r in requests:
         f = out[r.rid]
         assert f.error is None
@@ -135,8 +135,8 @@ def test_requests_missing_the_same_pages_share_one_reload(tmp_path: Path) -> Non
         out = run_all(second, requests)
     finally:
         second.close()
-    assert second.disk is not None
-    assert second.disk.stats.reloads == 1 and second.disk.stats.reloaded_pages == 25
+    assert second.cache.disk is not None
+    assert second.cache.disk.stats.reloads == 1 and second.cache.disk.stats.reloaded_pages == 25
     assert second.hit_tokens[Tier.L3] == 400
     assert all(out[r.rid].cached_len == 400 for r in requests)
     for r in requests:

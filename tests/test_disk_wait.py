@@ -56,6 +56,6 @@ def test_parked_requests_come_back_in_ticket_order_then_waiting_order(tmp_path: 
         second.drain()
     finally:
         second.close()
-    assert second.disk is not None and second.disk.stats.reloads == 2
+    assert second.cache.disk is not None and second.cache.disk.stats.reloads == 2
     assert admitted == [10, 12, 11, 13]
     assert second.hit_tokens[Tier.L3] == 2 * 320

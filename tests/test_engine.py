@@ -44,8 +44,8 @@ def test_cached_logits_equal_uncached_for_every_request(tiny: ModelCompute) -> N
 
     assert len(finished) == 200 and all(f.error is None for f in finished.values())
     assert sum(f.cached_len for f in finished.values()) > 0.3 * sum(r.tokens.size for r in requests)
-    assert engine.tree.num_pages <= config.pool_pages
-    evicted_some = engine.allocator.num_pages < sum(-(-r.tokens.size // 16) for r in requests)
+    assert engine.cache.tree.num_pages <= config.pool_pages
+    evicted_some = engine.cache.allocator.num_pages < sum(-(-r.tokens.size // 16) for r in requests)
     assert evicted_some
     for r in requests:
         cached = finished[r.rid].logits
@@ -71,11 +71,11 @@ def test_repeated_identical_prompt_hits_and_does_not_grow_pool(tiny: ModelComput
     engine = Engine(tiny, EngineConfig(page_size=16, pool_tokens=256))
     first = run_all(engine, [Request(0, tokens)])[0]
     assert first.cached_len == 0
-    used = engine.allocator.num_used
+    used = engine.cache.allocator.num_used
     for i in range(1, 6):
         again = run_all(engine, [Request(i, tokens)])[i]
         assert again.cached_len == 32  # whole pages only; the tail page is recomputed
-        assert engine.allocator.num_used == used
+        assert engine.cache.allocator.num_used == used
     engine.check()
 
 

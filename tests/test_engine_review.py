@@ -60,7 +60,7 @@ def test_retries_of_a_waiting_request_are_not_hits() -> None:
     out = run_all(engine, [big, waiter])
     assert out[2].cached_len == 8
     # Chunks are inserted as they finish, so the prefix may span several nodes.
-    shared = [n for n in engine.tree.nodes() if n.end <= 8 and n.tokens[0] == n.start + 1]
+    shared = [n for n in engine.cache.tree.nodes() if n.end <= 8 and n.tokens[0] == n.start + 1]
     assert sum(n.end - n.start for n in shared) == 8
     assert all(n.hit_count == 1 for n in shared)  # one request reused it, once
 

@@ -70,9 +70,9 @@ def test_host_hits_serve_exact_payload_bytes() -> None:
         f = out[r.rid]
         expected = synthetic_payload(torch.from_numpy(r.tokens.astype(np.int64)), 8)
         assert f.payload is not None and torch.equal(f.payload, expected), r.rid
-    stats = engine.transfer_stats()
+    stats = engine.cache.transfer_stats()
     assert stats is not None and stats.h2d_pages > 0 and stats.d2h_pages > 0
-    assert engine.backups is not None and engine.backups.stats.done > 0
+    assert engine.cache.backups is not None and engine.cache.backups.stats.done > 0
 
 
 def test_model_logits_with_l2_hits_equal_uncached(tiny: ModelCompute) -> None:
@@ -111,23 +111,23 @@ def test_pending_backups_are_invisible_until_the_frontier_covers_them() -> None:
     )
     first = Request(0, np.arange(1, 41, dtype=np.uint32))
     run_all(engine, [first])
-    assert all(n.residency is Residency.DEVICE_HOST_PENDING for n in engine.tree.nodes()), (
+    assert all(n.residency is Residency.DEVICE_HOST_PENDING for n in engine.cache.tree.nodes()), (
         "backups must stay pending until the frontier covers them"
     )
     # More work, and a repeat of the first request: pending nodes are never evicted or demoted,
     # and no match ever reports a host copy.
     others = [Request(i, np.arange(100 * i, 100 * i + 12, dtype=np.uint32)) for i in range(1, 4)]
     run_all(engine, [*others, Request(9, first.tokens.copy())])
-    hit = engine.tree.match_prefix(first.tokens, record=False)
+    hit = engine.cache.tree.match_prefix(first.tokens, record=False)
     assert hit.host_pages.size == 0 and hit.valid_len == 40
     assert engine.hit_tokens[Tier.L2] == 0
-    assert engine.tree.num_host_pages > 0 and all(
-        n.residency is Residency.DEVICE_HOST_PENDING for n in engine.tree.nodes()
+    assert engine.cache.tree.num_host_pages > 0 and all(
+        n.residency is Residency.DEVICE_HOST_PENDING for n in engine.cache.tree.nodes()
     )
-    engine.frontier = lambda progress: progress
+    engine.cache.frontier = lambda progress: progress
     engine.drain()
     engine.check()
-    assert all(n.residency is Residency.DEVICE_HOST for n in engine.tree.nodes())
+    assert all(n.residency is Residency.DEVICE_HOST for n in engine.cache.tree.nodes())
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -151,7 +151,7 @@ def test_random_copy_failures_roll_back_and_leak_nothing(seed: int) -> None:
         max_batch_tokens=48,
         l2_tokens=int(rng.choice([64, 200, 1000])),
     )
-    transfer = engine.transfer
+    transfer = engine.cache.transfer
     assert transfer is not None
     real_copy = transfer.copier.copy
 
@@ -167,14 +167,14 @@ def test_random_copy_failures_roll_back_and_leak_nothing(seed: int) -> None:
     for r in requests:  # a failed copy never serves a wrong byte
         expected = synthetic_payload(torch.from_numpy(r.tokens.astype(np.int64)), 8)
         assert torch.equal(out[r.rid].payload, expected), r.rid
-    assert engine.backups is not None
+    assert engine.cache.backups is not None
     stats = transfer.stats()
     assert stats.failed_tickets > 0
-    assert engine.backups.stats.failed + engine.loads.stats.failed > 0  # type: ignore[union-attr]
+    assert engine.cache.backups.stats.failed + engine.cache.loads.stats.failed > 0  # type: ignore[union-attr]
     # Nothing leaks: every device page is free or cached, every host page free or cached.
-    assert engine.allocator.num_used == engine.tree.num_pages
-    assert engine.host_allocator is not None
-    assert engine.host_allocator.num_used == engine.tree.num_host_pages
+    assert engine.cache.allocator.num_used == engine.cache.tree.num_pages
+    assert engine.cache.host_allocator is not None
+    assert engine.cache.host_allocator.num_used == engine.cache.tree.num_host_pages
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
@@ -199,7 +199,7 @@ def test_write_policies_fill_l2_when_they_should(policy: str) -> None:
     engine.keep_logits = {r.rid for r in requests}
     out = run_all(engine, requests)
     assert all(f.error is None for f in out.values())
-    backups = engine.backups
+    backups = engine.cache.backups
     assert backups is not None and backups.stats.done > 0
     assert engine.hit_tokens[Tier.L2] > 0
     for r in requests:
@@ -212,7 +212,7 @@ def test_a_full_l2_skips_backups_and_never_waits() -> None:
     requests = [Request(i, np.arange(40 * i, 40 * i + 30, dtype=np.uint32)) for i in range(6)]
     out = run_all(engine, requests)
     assert all(f.error is None for f in out.values())
-    assert engine.backups is not None and engine.backups.stats.skipped > 0
+    assert engine.cache.backups is not None and engine.cache.backups.stats.skipped > 0
 
 
 def test_l2_configuration_errors() -> None:

@@ -208,7 +208,7 @@ def test_pool_larger_than_memory_is_refused_before_allocating(
         raise AssertionError("the pool was allocated")
 
     monkeypatch.setattr("kvstrata.limits.available_bytes", lambda device: 2**30)
-    monkeypatch.setattr("kvstrata.engine.DevicePool", no_pool)
+    monkeypatch.setattr("kvstrata.engine.hierarchy.DevicePool", no_pool)
     # 32 M tokens of 64 bytes: 2 GiB of pool (+ allocator) against 1 GiB available.
     code, _, err = cli([*BASE, "--l1-tokens", str(2**25)], capsys)
     assert code == 2

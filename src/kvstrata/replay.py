@@ -259,13 +259,17 @@ class TierReport:
 
     @classmethod
     def of(cls, engine: Engine) -> TierReport | None:
-        stats, backups, loads = engine.transfer_stats(), engine.backups, engine.loads
-        if stats is None or backups is None or loads is None or engine.host_allocator is None:
+        stats, backups, loads = (
+            engine.cache.transfer_stats(),
+            engine.cache.backups,
+            engine.cache.loads,
+        )
+        if stats is None or backups is None or loads is None or engine.cache.host_allocator is None:
             return None
         return cls(
             l2_hit_tokens=engine.hit_tokens[Tier.L2],
-            host_pages=engine.host_allocator.num_pages,
-            host_pages_cached_end=engine.tree.num_host_pages,
+            host_pages=engine.cache.host_allocator.num_pages,
+            host_pages_cached_end=engine.cache.tree.num_host_pages,
             d2h_pages=stats.d2h_pages,
             d2h_bytes=stats.d2h_bytes,
             h2d_pages=stats.h2d_pages,
@@ -278,8 +282,8 @@ class TierReport:
             load_back_wait_ms=round(loads.stats.wait_s * 1e3, 3),
             l3_hit_tokens=engine.hit_tokens[Tier.L3],
             l3=(
-                dict(engine.disk.store.stats().counters) | asdict(engine.disk.stats)
-                if engine.disk is not None
+                dict(engine.cache.disk.store.stats().counters) | asdict(engine.cache.disk.stats)
+                if engine.cache.disk is not None
                 else None
             ),
         )
@@ -936,9 +940,9 @@ def _run(
         seconds=timer.wall_s,
         cpu_seconds=timer.cpu_s,
         ttft_ms=_percentiles(tally.ttft_s, mean=True),
-        pool_pages=engine.allocator.num_pages,
+        pool_pages=engine.cache.allocator.num_pages,
         pool_pages_used_peak=engine.peak_pages_used,
-        pool_pages_cached_end=engine.tree.num_pages,
+        pool_pages_cached_end=engine.cache.tree.num_pages,
         steps=engine.steps,
         verify=verify,
         config={
@@ -987,7 +991,7 @@ def _run(
         interrupted=interrupted,
         total_requests=(workload.num_requests if workload is not None else None) or read,
         tiers=TierReport.of(engine),
-        tree=engine.tree.stats(),
+        tree=engine.cache.tree.stats(),
         ttft_parts_ms=tally.ttft_parts_ms(),
         ttft_by_hit_ms=tally.ttft_by_hit_ms(),
         clock={
