@@ -159,3 +159,15 @@ def test_cp2_drain_gives_up_a_pending_lookup(tmp_path: Path) -> None:
     ranks = run_ranks(2, _drain_mid_lookup, (root, again), timeout_s=TIMEOUT_S)
     assert [r["held"] for r in ranks] == [0, 0]
     _exact(ranks[0], [again])
+
+
+def test_cp2_the_same_l3_replay_twice_gives_identical_counts(tmp_path: Path) -> None:
+    requests = builtin(1000, seed=5, n_requests=60)
+    runs = [
+        run_ranks(2, _run, ("none", str(tmp_path / d), "clear", requests, -1), timeout_s=TIMEOUT_S)
+        for d in ("a", "b")
+    ]
+    keys = ("l3_hits", "spilled", "reloaded", "digest", "cached")
+    for rank in (0, 1):
+        assert {k: runs[0][rank][k] for k in keys} == {k: runs[1][rank][k] for k in keys}
+    assert runs[0][0]["l3_hits"] > 0

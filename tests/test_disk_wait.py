@@ -3,6 +3,7 @@ and behind one reload in the order they waited: the request whose read it was is
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -59,3 +60,39 @@ def test_parked_requests_come_back_in_ticket_order_then_waiting_order(tmp_path: 
     assert second.cache.disk is not None and second.cache.disk.stats.reloads == 2
     assert admitted == [10, 12, 11, 13]
     assert second.hit_tokens[Tier.L3] == 2 * 320
+
+
+def test_a_pending_reload_blocks_the_step_instead_of_spinning(tmp_path: Path) -> None:
+    """A slow disk (each read takes 0.4 s): the request parked behind its reload comes back at
+    the next step, which blocks on the read; the loop takes a handful of steps and the process
+    burns far less CPU than the wall time (a spinning loop burns all of it)."""
+    prefix = np.arange(1, 321, dtype=np.uint32)
+    first = Engine(SyntheticCompute(8, 1000), _config(tmp_path, "clear"), model_id="none:8")
+    try:
+        first.run([Request(0, prefix)])
+    finally:
+        first.close()
+    second = Engine(SyntheticCompute(8, 1000), _config(tmp_path, "load"), model_id="none:8")
+    try:
+        assert second.cache.disk is not None
+        reader = second.cache.disk.store._reader
+        real_read = reader.read
+
+        def slow_read(*args: object, **kw: object) -> list[bool]:
+            time.sleep(0.4)
+            return real_read(*args, **kw)  # type: ignore[arg-type]
+
+        reader.read = slow_read  # type: ignore[method-assign]
+        second.add(Request(1, np.concatenate([prefix, [7, 8, 9]]).astype(np.uint32)))
+        wall, cpu = time.perf_counter(), time.process_time()
+        steps = 0
+        while second.has_work():
+            second.step()
+            steps += 1
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        second.close()
+    assert second.hit_tokens[Tier.L3] == 320
+    assert steps <= 3, steps
+    assert wall >= 0.4 and cpu < 0.5 * wall, (cpu, wall)
+    assert second.cache.disk_wait_s >= 0.35

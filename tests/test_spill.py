@@ -13,6 +13,7 @@ from tier_rig import LAYOUT, cached_sequence, hierarchy, host_bytes, same, settl
 from kvstrata.engine import CacheHierarchy, EngineConfig
 from kvstrata.residency import Residency, Tier
 from kvstrata.tiers.disk_format import SLOT_HEADER_BYTES
+from kvstrata.tiers.spill import SpillItem
 from kvstrata.tiers.tickets import TicketKind
 
 TOKENS = np.arange(1, 33, dtype=np.uint32)  # eight full pages
@@ -46,7 +47,7 @@ def _spilled(h: CacheHierarchy) -> tuple[object, object, list]:  # type: ignore[
         h.backups.settle(ticket, ok)
     want = host_bytes(h, node.host_pages)
     hashes = h.page_hashes(0, key)
-    h.disk.spill(node, hashes, node.host_pages, hits=1)
+    h.disk.spill([SpillItem(node, hashes, node.host_pages, hits=1)])
     assert node.host_ref == 1  # locked until the store has gathered the pages
     for ticket, _ in _until_settled(h, TicketKind.SPILL):
         h.disk.settle_spill(ticket)

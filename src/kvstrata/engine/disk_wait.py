@@ -17,11 +17,20 @@ tokens count as L3 hits.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import NamedTuple
 
 from ..cache.radix import Node
 from .hierarchy import CacheHierarchy, Settled
 from .request import Waiting, reusable_len
+
+
+class Park(Enum):
+    """What :meth:`DiskWaits.park` did with a request."""
+
+    PARKED = "parked"  # behind a reload (or a lookup the ranks agree on next step)
+    COMPUTE = "compute"  # nothing to read: it computes
+    LATER = "later"  # this step's reloads are all started: it tries again next step
 
 
 class _Lookup(NamedTuple):
@@ -36,10 +45,14 @@ class _Lookup(NamedTuple):
 class DiskWaits:
     """Requests waiting for the disk, keyed by the reload they wait for."""
 
-    def __init__(self, cache: CacheHierarchy) -> None:
+    def __init__(self, cache: CacheHierarchy, reloads_per_step: int) -> None:
         assert cache.disk is not None
         self.cache = cache
         self.disk = cache.disk
+        #: New reloads (and CP lookups) one step may start: the per-step budget that keeps the
+        #: disk's queue bounded by replicated inputs instead of refusals.
+        self.reloads_per_step = reloads_per_step
+        self._started = 0  # this step's
         # reload ticket -> the requests waiting for it: the one that asked, then any that missed
         # the same pages meanwhile (they share the read instead of reading again)
         self._parked: dict[int, list[Waiting]] = {}
@@ -55,45 +68,57 @@ class DiskWaits:
         takes the admission slot it would use."""
         return sum(1 + len(lk.followers) for lk in self._lookups)
 
-    def park(self, waiting: Waiting) -> bool:
+    def park(self, waiting: Waiting) -> Park:
         """Park ``waiting`` behind a reload of the pages the tree misses that the disk holds
-        (or, under CP, behind the lookup the next frontier agrees on). False: it computes."""
+        (or, under CP, behind the lookup the next frontier agrees on)."""
+        parked = self._park(waiting)
+        if parked is Park.LATER:
+            self._tried.discard(waiting.request.rid)
+        return parked
+
+    def _park(self, waiting: Waiting) -> Park:
         request, key = waiting.request, waiting.key
         if request.rid in self._tried:
-            return False
+            return Park.COMPUTE
         self._tried.add(request.rid)
         cache, P = self.cache, self.cache.config.page_size
         limit = reusable_len(len(key), P)
         hit = cache.tree.match_prefix(key, max_len=limit, record=False)
         if hit.valid_len >= limit:
-            return False
+            return Park.COMPUTE
         hashes = cache.page_hashes(request.rid, key)
         first, last, parent = hit.valid_len // P, limit // P, hit.last_node
         if last <= first:
-            return False
+            return Park.COMPUTE
         # The same pages already on their way (same parent, same first page): wait for that read.
         # A follower may look again once that read lands: it may need pages past the first's.
         ticket = self.disk.pending_reload(parent, hashes[first])
         if ticket is not None:
             self._parked[ticket].append(waiting)
             self._tried.discard(request.rid)
-            return True
+            return Park.PARKED
         if cache.cp > 1:  # each rank knows its own pages: the next frontier agrees on the count
             for lk in self._lookups:
                 if lk.parent is parent and lk.first_hash == hashes[first]:
                     lk.followers.append(waiting)
                     self._tried.discard(request.rid)
-                    return True
+                    return Park.PARKED
             if parent is not cache.tree.root and not parent.on_host:
-                return False  # nothing a reload could attach to: decided alike, no lookup
+                return Park.COMPUTE  # nothing a reload could attach to: decided alike, no lookup
+            if self._started >= self.reloads_per_step:
+                return Park.LATER
+            self._started += 1
             found = self.disk.local_count(hashes, first, last)
             self._lookups.append(_Lookup(waiting, first, found, parent, hashes[first], []))
-            return True
+            return Park.PARKED
+        if self._started >= self.reloads_per_step:
+            return Park.LATER
         ticket = self.disk.try_reload(key, hashes, hit.valid_len, limit, parent, request.rid)
         if ticket is None:
-            return False
+            return Park.COMPUTE
+        self._started += 1
         self._parked[ticket] = [waiting]
-        return True
+        return Park.PARKED
 
     def take_lookups(self) -> tuple[int, ...]:
         """This rank's counts for the lookups waiting for agreement (what the frontier MINs);
@@ -104,6 +129,7 @@ class DiskWaits:
         """Requests whose wait ended, in the order they come back: those behind the reloads the
         frontier applied (ticket order), then lookups with nothing to read. Agreed lookups start
         their reloads."""
+        self._started = 0
         back: list[Waiting] = []
         for ticket in settled.reloads:
             back += self._parked.pop(ticket)

@@ -48,7 +48,7 @@ from ..ownership import page_span
 from ..residency import Tier
 from ..workloads import Request
 from .config import EngineConfig
-from .disk_wait import DiskWaits
+from .disk_wait import DiskWaits, Park
 from .hierarchy import CacheHierarchy, FrontierFn
 from .request import Finished, Running, Waiting, reusable_len, split_draft
 
@@ -78,7 +78,11 @@ class Engine:
         if frontier is None and cp > 1:
             frontier = group_frontier(self.group)
         self.cache = CacheHierarchy(config, compute.layout, frontier, cp, self.rank, model_id)
-        self.waits = DiskWaits(self.cache) if self.cache.disk is not None else None
+        self.waits = (
+            DiskWaits(self.cache, config.max_batch_requests)
+            if self.cache.disk is not None
+            else None
+        )
         self.waiting: deque[Waiting] = deque()
         self._refused: list[Finished] = []
         self.running: list[Running] = []
@@ -248,8 +252,12 @@ class Engine:
                 passed.append(waiting)
                 self.deferred += 1
                 continue
-            if self.waits is not None and self.waits.park(waiting):
-                looked = self.waits.looking
+            parked = self.waits.park(waiting) if self.waits is not None else Park.COMPUTE
+            if parked is Park.LATER:  # this step started all the reloads it may
+                passed.append(waiting)
+                continue
+            if parked is Park.PARKED:
+                looked = self.waits.looking  # type: ignore[union-attr]
                 continue  # parked until the disk read lands; the others go on
             try:
                 run = self._start(waiting, now)

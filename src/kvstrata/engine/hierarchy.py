@@ -33,7 +33,7 @@ from ..tiers.host_pool import HostPool
 from ..tiers.loadback import LoadBack
 from ..tiers.page_hash import Namespace, page_hashes
 from ..tiers.pool import DevicePool
-from ..tiers.spill import DiskTier
+from ..tiers.spill import DiskTier, SpillItem
 from ..tiers.tickets import FrontierFn, TicketKind, TicketLedger, local_frontier
 from ..tiers.transfer import Completion, Transfer, TransferStats
 from ..tiers.writethrough import Reservation, WriteThrough
@@ -140,6 +140,9 @@ class CacheHierarchy:
                     budget_bytes=int(config.l3_gib * GIB),
                     start=config.l3_start,  # type: ignore[arg-type]
                     min_hits=config.l3_min_hits,
+                    # One spill per step and at most a step's admissions of reloads are in
+                    # flight at once (the fixed point waits for them): never refused for queueing.
+                    max_tickets=max(64, 2 * config.max_batch_requests + 2),
                 ),
             )
             self.disk = DiskTier(
@@ -149,6 +152,7 @@ class CacheHierarchy:
         self.report_delay: Callable[[list[Completion]], list[Completion]] | None = None
         self.hit_tokens = {Tier.L1: 0, Tier.L2: 0, Tier.L3: 0}  # tokens served, by tier
         self.peak_pages_used = 0
+        self.disk_wait_s = 0.0  # wall seconds settles spent waiting for the disk's last step
         self._hashes: dict[int, list[bytes]] = {}  # rid -> its full pages' content addresses
         self._l3_tokens: dict[int, int] = {}  # rid -> tokens a reload brought it
         self._spill_after: dict[int, list[_Spill]] = {}  # backup ticket -> spills once it commits
@@ -367,17 +371,22 @@ class CacheHierarchy:
         MIN over ranks."""
         if self.transfer is None:
             return Settled((), agree)
+        if self.disk is not None:  # the fixed point: the disk's work of the last step is done
+            self.disk_wait_s += self.disk.wait_in_flight(self.disk.store.config.io_timeout_s)
         self._drain()
         progress = replace(self.ledger.progress(), agree=agree)
         frontier = self.frontier(progress)
         reloads: list[int] = []
+        spills: list[SpillItem] = []  # every backup this settle commits: one spill, in order
         for ticket, kind, ok in self.ledger.advance(frontier):
             if kind is TicketKind.BACKUP:
                 assert self.backups is not None
                 self.backups.settle(ticket, ok)
                 for s in self._spill_after.pop(ticket, []):
-                    if ok and self.disk is not None:
-                        self.disk.spill(s.node, s.hashes, s.host_pages, s.node.hit_count + 1)
+                    if ok:
+                        spills.append(
+                            SpillItem(s.node, s.hashes, s.host_pages, s.node.hit_count + 1)
+                        )
             elif kind is TicketKind.LOAD:
                 assert self.loads is not None
                 self.loads.settle(ticket, ok)
@@ -390,6 +399,9 @@ class CacheHierarchy:
                 if brought is not None:
                     self._l3_tokens[brought[0]] = brought[1]
                 reloads.append(ticket)
+        if spills:
+            assert self.disk is not None
+            self.disk.spill(spills)
         agreed = frontier.agree if len(frontier.agree) == len(agree) else agree
         return Settled(tuple(reloads), agreed)
 
