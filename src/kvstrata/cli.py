@@ -65,6 +65,7 @@ BENCHMARKS = (
     "gpu",
     "replay",
     "multi-gpu",
+    "tiers",
 )
 
 
