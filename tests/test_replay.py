@@ -194,7 +194,7 @@ def test_bad_trace_fails_before_the_model_is_built(
     def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was built before the trace was checked")
 
-    monkeypatch.setattr(replay_module, "load_model", no_model)
+    monkeypatch.setattr("kvstrata.replay.build.load_model", no_model)
     code, _, err = cli(
         ["replay", "--model", "small", "--trace", "/no/such/trace.jsonl", "--no-progress"], capsys
     )

@@ -58,6 +58,12 @@ CONFIG = {
     "draft_model", "decode_tokens", "handoff_dir", "seed", "threads", "arrivals", "time_scale",
     "clock", "cp", "cp_attention", "cp_attention_steps", "cp_bytes_per_rank", "attention",
 }  # fmt: skip
+#: Knobs the config block lacked while it was written key by key; derived from the dataclasses,
+#: it names every one (None where it does not apply to the run).
+CONFIG_ADDED = {
+    "on_error", "metrics_port", "metrics_host", "cp_timeout_s", "check_every_step",
+    "max_host_alloc_gib", "check_digests",
+}  # fmt: skip
 L3 = {
     "pages_present", "pages_written", "bytes_written", "pages_read", "bytes_read",
     "read_misses", "read_races", "verify_failures", "read_errors", "write_errors",
@@ -71,7 +77,7 @@ DECODE = {
     "requests", "tokens", "tokens_equal", "hit_requests", "acceptance_cached",
     "acceptance_uncached", "handoff_bytes",
 }  # fmt: skip
-SCHEMA = TOP | {"config"} | {f"config.{k}" for k in CONFIG}
+SCHEMA = TOP | {"config"} | {f"config.{k}" for k in CONFIG | CONFIG_ADDED}
 
 
 def cache_only(l3_dir: Path) -> dict[str, Any]:
@@ -105,6 +111,8 @@ def test_cache_only_summary_keys_and_config(tmp_path: Path) -> None:
         "handoff_dir": None, "seed": 0, "threads": 1, "arrivals": "burst", "time_scale": 1.0,
         "clock": "sim", "cp": 1, "cp_attention": None, "cp_attention_steps": {},
         "cp_bytes_per_rank": {}, "attention": None,
+        "on_error": "stop", "metrics_port": None, "metrics_host": None, "cp_timeout_s": None,
+        "check_every_step": False, "max_host_alloc_gib": 480.0, "check_digests": None,
     }  # fmt: skip
 
 
@@ -123,4 +131,6 @@ def test_model_summary_keys_and_config() -> None:
         "handoff_dir": None, "seed": 0, "threads": 1, "arrivals": "burst", "time_scale": 1.0,
         "clock": "wall", "cp": 1, "cp_attention": None, "cp_attention_steps": {},
         "cp_bytes_per_rank": {}, "attention": "auto",
+        "on_error": "stop", "metrics_port": None, "metrics_host": None, "cp_timeout_s": None,
+        "check_every_step": False, "max_host_alloc_gib": 480.0, "check_digests": None,
     }  # fmt: skip
