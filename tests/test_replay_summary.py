@@ -49,6 +49,7 @@ TOP = {
     "verify", "verify.ok", "verify.requests", "verify.max_abs_logit_diff", "verify.argmax_agree",
     "verify.payload_mismatched_bytes", "verify.nonfinite_logits",
     "verify.draft_max_abs_logit_diff", "verify.draft_argmax_agree", "verify.decode",
+    "verify.atol", "verify.argmax_flips",  # new with --verify's tolerance
 }  # fmt: skip
 CONFIG = {
     "workload", "limit", "skipped_lines", "model", "dtype", "vocab_size", "page_size",
@@ -63,6 +64,7 @@ CONFIG = {
 CONFIG_ADDED = {
     "on_error", "metrics_port", "metrics_host", "cp_timeout_s", "check_every_step",
     "max_host_alloc_gib", "check_digests",
+    "verify_atol",  # new with --verify-atol
 }  # fmt: skip
 L3 = {
     "pages_present", "pages_written", "bytes_written", "pages_read", "bytes_read",
@@ -113,6 +115,7 @@ def test_cache_only_summary_keys_and_config(tmp_path: Path) -> None:
         "cp_bytes_per_rank": {}, "attention": None,
         "on_error": "stop", "metrics_port": None, "metrics_host": None, "cp_timeout_s": None,
         "check_every_step": False, "max_host_alloc_gib": 480.0, "check_digests": None,
+        "verify_atol": None,
     }  # fmt: skip
 
 
@@ -133,4 +136,5 @@ def test_model_summary_keys_and_config() -> None:
         "cp_bytes_per_rank": {}, "attention": "auto",
         "on_error": "stop", "metrics_port": None, "metrics_host": None, "cp_timeout_s": None,
         "check_every_step": False, "max_host_alloc_gib": 480.0, "check_digests": None,
+        "verify_atol": None,
     }  # fmt: skip

@@ -339,6 +339,7 @@ def replay_config(args: argparse.Namespace) -> ReplayConfig:
             check_every_step=getattr(args, "check", EngineConfig.check_every_step),
         ),
         verify=replay_only("verify"),
+        verify_atol=replay_only("verify_atol"),
         draft_model=replay_only("draft_model"),
         decode_tokens=replay_only("decode_tokens"),
         handoff_dir=replay_only("handoff_dir"),

@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..command import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, HelpFormatter
-from ..replay import ReplayConfig, ReplayObserver, ReplayRun
+from ..replay import VERIFY_ATOL, ReplayConfig, ReplayObserver, ReplayRun
 from .flags import engine_flags, progress_flag, replay_config, sizes, timing_flags, workload_flags
 
 #: ``kvstrata sweep`` replays cache only unless told otherwise (``--model none``, and with it the
@@ -36,6 +36,16 @@ def replay_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="recompute N sampled requests without the cache and report the largest |logit "
         "difference| and argmax agreement (payload bytes with --model none)",
+    )
+    p.add_argument(
+        "--verify-atol",
+        type=float,
+        default=ReplayConfig.verify_atol,
+        metavar="X",
+        help="the largest |logit difference| --verify accepts; past it, or with an argmax flip "
+        "beyond it, --verify fails (exit 1). Default: measured per dtype ("
+        + ", ".join(f"{k} {v:g}" for k, v in VERIFY_ATOL.items())
+        + ")",
     )
     p.add_argument(
         "--draft-model",

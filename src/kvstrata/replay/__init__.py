@@ -41,7 +41,9 @@ from .reports import DecodeReport, TierReport, VerifyReport
 from .state import LISTED_ERRORS, EngineTimer, ReplayObserver, ReplayRun, _Tally
 from .summary import SUMMARY_SCHEMA, ReplaySummary, config_block
 from .verify import (
+    VERIFY_ATOL,
     VerifySample,
+    compare_argmax,
     compare_logits,
     handoff_transport,
     prefill_uncached,
@@ -52,6 +54,7 @@ __all__ = [
     "LISTED_ERRORS",
     "SUMMARY_SCHEMA",
     "TRIM_EVERY_STEPS",
+    "VERIFY_ATOL",
     "ComputeShape",
     "DecodeReport",
     "EngineTimer",
@@ -68,6 +71,7 @@ __all__ = [
     "_agree_on_config",
     "build_compute",
     "check_memory",
+    "compare_argmax",
     "compare_logits",
     "compute_shape",
     "config_block",

@@ -3,6 +3,7 @@ the names and costs derived from it."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ class ReplayConfig:
     vocab_size: int = DEFAULT_VOCAB_SIZE  # token id range with model "none"
     engine: EngineConfig = field(default_factory=EngineConfig)
     verify: int = 0
+    # The largest |logit difference| --verify accepts; None: VERIFY_ATOL's for the model's dtype.
+    verify_atol: float | None = None
     on_error: str = "stop"
     seed: int = 0
     threads: int | None = None  # torch intra-op threads while replaying; None leaves torch's
@@ -75,6 +78,7 @@ class ReplayConfig:
             raise ConfigError(f"--vocab-size must be >= 1, got {self.vocab_size}")
         if self.verify < 0:
             raise ConfigError(f"--verify takes a number of requests >= 0, got {self.verify}")
+        self._check_verify_atol()
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be >= 1, got {self.limit}")
         if self.clock not in ("auto", "wall", "sim"):
@@ -106,6 +110,22 @@ class ReplayConfig:
                 f"--lookahead ({self.lookahead}) must be >= --max-batch-requests "
                 f"({self.engine.max_batch_requests}), or the engine could never fill a batch"
             )
+
+    def _check_verify_atol(self) -> None:
+        atol = self.verify_atol
+        if atol is None:
+            return
+        if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol):
+            raise ConfigError(f"--verify-atol must be a finite number >= 0, got {atol!r}")
+        if atol < 0:
+            raise ConfigError(f"--verify-atol must be >= 0, got {atol!r}")
+        if self.model == "none":
+            raise ConfigError(
+                "--verify-atol bounds a model's logit differences; --model none compares "
+                "payload bytes exactly"
+            )
+        if not self.verify:
+            raise ConfigError("--verify-atol judges what --verify finds: give --verify N too")
 
 
 def model_id(cfg: ReplayConfig) -> str:

@@ -11,8 +11,17 @@ from ..residency import Tier
 
 @dataclass
 class VerifyReport:
-    """What ``--verify`` found. ``max_abs_logit_diff`` is over the values finite on both sides;
-    ``nonfinite_logits`` counts NaN/inf values of either side (each one is a failure)."""
+    """What ``--verify`` found, and whether that is a failure (``ok``).
+
+    max_abs_logit_diff: over the values finite on both sides (target; ``draft_*``: the draft's).
+    argmax_agree: share of sampled requests whose cached and uncached argmax are the same token.
+    argmax_flips: argmax disagreements the tolerance does not explain: the cached run's top token
+        is more than ``atol`` below the uncached run's top token in the uncached logits (target
+        and draft together). A near-tie may flip honestly in bf16 (measured: a margin of 0.008).
+    nonfinite_logits: NaN/inf values of either side (each one is a failure).
+    atol: the largest |logit difference| accepted: ``--verify-atol``, or :data:`VERIFY_ATOL`'s
+        value for the model's dtype; None when payload bytes are compared (``--model none``).
+    """
 
     requests: int = 0
     max_abs_logit_diff: float | None = None
@@ -22,12 +31,35 @@ class VerifyReport:
     draft_max_abs_logit_diff: float | None = None  # the draft model's, with --draft-model
     draft_argmax_agree: float | None = None
     decode: DecodeReport | None = None  # with --decode-tokens
+    atol: float | None = None
+    argmax_flips: int | None = None
 
     @property
     def ok(self) -> bool:
-        """No non-finite logit and no mismatched payload byte. Logit differences are reported,
-        not judged: how large they may be depends on the dtype."""
-        return not self.nonfinite_logits and not self.payload_mismatched_bytes
+        """No non-finite logit, no mismatched payload byte, no logit difference above ``atol``
+        and no argmax flip beyond it."""
+        return not self.problems()
+
+    def problems(self) -> list[str]:
+        """Why the verification fails, one phrase per reason (none: it passes)."""
+        out = []
+        if self.nonfinite_logits:
+            out.append(f"{self.nonfinite_logits:,} non-finite logit values")
+        if self.payload_mismatched_bytes:
+            out.append(f"{self.payload_mismatched_bytes:,} payload bytes mismatched")
+        if self.atol is not None:
+            for name, diff in (
+                ("", self.max_abs_logit_diff),
+                ("draft ", self.draft_max_abs_logit_diff),
+            ):
+                if diff is not None and diff > self.atol:
+                    out.append(f"{name}max |logit diff| {diff:.3g} > tolerance {self.atol:g}")
+        if self.argmax_flips:
+            out.append(
+                f"{self.argmax_flips} argmax flips beyond the tolerance {self.atol:g} (another "
+                "top token than without the cache)"
+            )
+        return out
 
     def describe(self) -> str:
         if self.max_abs_logit_diff is None:
@@ -42,11 +74,12 @@ class VerifyReport:
                 f"; draft: max |logit diff| {self.draft_max_abs_logit_diff:.3g}, argmax agree "
                 f"{self.draft_argmax_agree:.3f}"
             )
+        if self.atol is not None:
+            text += f" (tolerance {self.atol:g})"
+        problems = self.problems()
         if self.nonfinite_logits:
-            text = (
-                f"FAIL: {self.nonfinite_logits:,} non-finite logit values; {text} (finite values)"
-            )
-        return text
+            text += " over the finite values"
+        return f"FAIL: {'; '.join(problems)}; {text}" if problems else text
 
 
 @dataclass
