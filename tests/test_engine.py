@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import run_all
 
-from kvstrata.engine import Engine, EngineConfig, Finished
+from kvstrata.engine import Engine, EngineConfig
 from kvstrata.errors import ConfigError
 from kvstrata.model.compute import ModelCompute, SyntheticCompute, synthetic_payload
 from kvstrata.model.loader import load_model
@@ -19,16 +20,6 @@ def tiny() -> ModelCompute:
     torch.manual_seed(0)
     _, model = load_model("tiny", device="cpu", dtype="float32", seed=0)
     return ModelCompute(model, torch.float32)
-
-
-def run_all(engine: Engine, requests: list[Request]) -> dict[int, Finished]:
-    for r in requests:
-        engine.add(r)
-    out: dict[int, Finished] = {}
-    while engine.has_work():
-        for f in engine.step():
-            out[f.rid] = f
-    return out
 
 
 def test_cached_logits_equal_uncached_for_every_request(tiny: ModelCompute) -> None:

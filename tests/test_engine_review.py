@@ -11,26 +11,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import run_all
 
 from kvstrata.cli import main
-from kvstrata.engine import Engine, EngineConfig, Finished
+from kvstrata.engine import Engine, EngineConfig
 from kvstrata.model.compute import ModelCompute, SyntheticCompute
 from kvstrata.model.loader import load_model
 from kvstrata.replay import ReplayConfig, run_replay
 from kvstrata.workloads import Request
-
-
-def run_all(engine: Engine, requests: list[Request]) -> dict[int, Finished]:
-    for r in requests:
-        engine.add(r)
-    out: dict[int, Finished] = {}
-    steps = 0
-    while engine.has_work():
-        steps += 1
-        assert steps < 10_000, "the engine stopped making progress"
-        for f in engine.step():
-            out[f.rid] = f
-    return out
 
 
 def synthetic_engine(**kwargs: Any) -> Engine:

@@ -125,8 +125,7 @@ class _Tiered:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _defaults(args)
-    device = torch.device(args.device)
-    check_device(device)
+    device = check_device(args.device)
     _, model = load_model(args.model, device=device, dtype=args.dtype, seed=args.seed)
     compute = ModelCompute(model, next(model.parameters()).dtype)
     rng = np.random.default_rng(args.seed)
