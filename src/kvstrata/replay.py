@@ -57,6 +57,7 @@ from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
 from .metrics import CacheMetrics, MetricsServer, RequestTotals
 from .model.attention import ATTENTION_BACKENDS, PagedAttention
 from .model.compute import Compute, ModelCompute, PairCompute, SyntheticCompute, synthetic_payload
+from .model.identity import weights_id
 from .model.llama import LlamaModel
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
@@ -1270,7 +1271,7 @@ def model_id(cfg: ReplayConfig) -> str:
     """What the cache's namespace and the handoff's fingerprint name the compute by."""
     if cfg.model == "none":
         return f"none:{cfg.kv_width}:{cfg.vocab_size}"
-    return cfg.model if cfg.draft_model is None else f"{cfg.model}+draft:{cfg.draft_model}"
+    return weights_id(cfg.model, cfg.seed, cfg.engine.device, cfg.draft_model)  # the weights
 
 
 def handoff_transport(cfg: ReplayConfig, group: Group) -> HandoffTransport:
