@@ -29,6 +29,7 @@ from disk_rig import (
 from kvstrata.errors import DiskFormatError, DiskStoreError
 from kvstrata.tiers.disk_audit import audit_directory
 from kvstrata.tiers.disk_format import SLOT_HEADER_BYTES, SlabFile, crc32c
+from kvstrata.tiers.disk_dir import index_dir
 from kvstrata.tiers.disk_index import DiskIndex
 from kvstrata.tiers.disk_store import DiskConfig, DiskStore
 
@@ -122,7 +123,7 @@ def test_slabs_and_indexes_of_another_format_version_are_refused(tmp_path: Path)
         open_store(tmp_path, start="load")
     with open_store(tmp_path, start="clear"):  # clear recreates the slab
         pass
-    env = lmdb.open(str(tmp_path / "index"), max_dbs=2)
+    env = lmdb.open(str(index_dir(tmp_path, NS.digest, 0)), max_dbs=2)
     with env.begin(write=True, db=env.open_db(b"meta")) as txn:
         txn.put(b"format", struct.pack("<I", 99))
     env.close()
@@ -141,7 +142,7 @@ def test_an_index_entry_past_the_slab_is_a_miss(tmp_path: Path) -> None:
         assert store.read(pages[:2], dst, [0, 1]) == [True, False]
         wait_until(lambda: store.lookup(pages) == 1)
         assert store.check() == []
-    index = DiskIndex(tmp_path / "index")
+    index = DiskIndex(index_dir(tmp_path, NS.digest, 0))
     index.put_pages(NS.digest, 0, [(pages[2], 1000, 1)], 3)
     index.close()
     assert "past-slab" in {p.kind for p in audit_directory(tmp_path).all_problems}

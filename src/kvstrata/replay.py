@@ -42,7 +42,7 @@ from .clock import Clock, CostModel, make_clock
 from .config import KVLayout
 from .decode import Decoded, greedy_decode
 from .dist.group import Group, SoloGroup
-from .dist.launch import run_ranks, torchrun_group, under_torchrun
+from .dist.launch import run_ranks, run_torchrun, under_torchrun
 from .engine import Engine, EngineConfig, Finished
 from .errors import ConfigError, DivergenceError
 from .handoff import (
@@ -802,15 +802,17 @@ def run_replay(
                 "parallelism (--cp 1)"
             )
         if under_torchrun():  # this process is one rank of torchrun's world
-            group = torchrun_group(cfg.engine.device, cfg.cp_timeout_s)
-            return _rank_main(group, cfg, progress)
+            summary: ReplaySummary = run_torchrun(
+                _rank_main, (cfg, progress), cfg.engine.device, cfg.cp_timeout_s
+            )
+            return summary
         with tempfile.TemporaryDirectory(prefix="kvstrata-handoff-") as tmp:
             if cfg.decode_tokens and cfg.handoff_dir is None:  # local ranks share this machine
                 cfg = replace(cfg, handoff_dir=tmp)
             ranks = run_ranks(
                 cfg.cp, _rank_main, (cfg, progress), cfg.engine.device, cfg.cp_timeout_s
             )
-        summary: ReplaySummary = ranks[0]
+        summary = ranks[0]
         return summary
     return _rank_main(SoloGroup(), cfg, progress, compute, observers)
 
