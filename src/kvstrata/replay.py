@@ -152,6 +152,11 @@ class ReplayConfig:
             raise ConfigError(f"--decode-tokens must lie in [0, 65536], got {self.decode_tokens}")
         if self.decode_tokens and self.model == "none":
             raise ConfigError("--decode-tokens decodes with a model: give --model (not none)")
+        if self.handoff_dir is not None and not self.decode_tokens:
+            raise ConfigError(
+                "--handoff-dir is where --decode-tokens hands each rank's part over: give "
+                "--decode-tokens N (and --verify N) or drop it"
+            )
         if self.decode_tokens and not self.verify:
             raise ConfigError(
                 "--decode-tokens decodes from the handoff of each --verify request: give "
@@ -793,6 +798,11 @@ def run_replay(
     while requests run ends the replay early: the summary covers the requests finished so far
     and says ``interrupted``.
     """
+    if cfg.handoff_dir is not None and cfg.cp == 1 and not under_torchrun():
+        raise ConfigError(
+            "--handoff-dir is where context-parallel ranks hand their parts over; one rank "
+            "hands over in memory: drop it or give --cp N"
+        )
     if cfg.cp > 1 or under_torchrun():
         if compute is not None:
             raise ConfigError("a compute object cannot be shared by context-parallel ranks")
@@ -861,9 +871,8 @@ def _run(
     group: Group,
     observers: Sequence[ReplayObserver] = (),
 ) -> ReplaySummary:
-    if cfg.decode_tokens and cfg.handoff_dir is not None and group.rank == 0:
-        DirectoryTransport(cfg.handoff_dir).clear()  # no rank sends before the ranks meet below
     _agree_on_config(group, cfg)
+    transport = handoff_transport(cfg, group) if cfg.decode_tokens else None
     shape = _shape(cfg, compute)
     # Under CP a request spreads over every rank's pool, so cp pools bound its length.
     pool_tokens = cfg.engine.pool_pages * cfg.engine.page_size * group.size
@@ -918,7 +927,6 @@ def _run(
         engine.close()  # the disk tier's threads and files
 
     verify = VerifyReport()
-    transport = handoff_transport(cfg, group) if cfg.decode_tokens else None
     if not interrupted and transport is not None:  # every rank hands its part of each sample
         for f in sample.finished.values():
             if f.handoff is not None:
@@ -929,6 +937,9 @@ def _run(
             verify = _verify(cfg, compute, sampled, sample.requests, progress, transport)
         except KeyboardInterrupt:
             interrupted = True
+        finally:
+            if isinstance(transport, DirectoryTransport):
+                transport.close()  # this run's subdirectory, and only its own parts
     lookahead = cfg.lookahead or 2 * cfg.engine.max_batch_requests
     return ReplaySummary(
         requests=tally.requests,
@@ -1278,7 +1289,8 @@ def model_id(cfg: ReplayConfig) -> str:
 
 def handoff_transport(cfg: ReplayConfig, group: Group) -> HandoffTransport:
     """How a replay's ranks hand parts to the decoder on rank 0: in memory with one rank, through
-    ``cfg.handoff_dir`` with several."""
+    a subdirectory of ``cfg.handoff_dir`` with several (rank 0 creates it for this run and tells
+    the others its name; a collective, at the start of the run on every rank)."""
     if group.size == 1:
         return LoopbackTransport()
     if cfg.handoff_dir is None:
@@ -1286,7 +1298,9 @@ def handoff_transport(cfg: ReplayConfig, group: Group) -> HandoffTransport:
             "--decode-tokens under context parallelism needs --handoff-dir DIR, a directory "
             "every rank can write and rank 0 can read"
         )
-    return DirectoryTransport(cfg.handoff_dir)
+    made = DirectoryTransport.create(cfg.handoff_dir) if group.rank == 0 else None
+    name = group.broadcast_object(None if made is None else str(made.directory), "handoff")
+    return made if made is not None else DirectoryTransport(name)
 
 
 def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
