@@ -15,8 +15,8 @@ from disk_rig import NS, hashes, host_pool, open_store, spill_all
 from kvstrata.cli import main
 from kvstrata.tiers import disk_format
 from kvstrata.tiers.disk_audit import audit_directory
-from kvstrata.tiers.disk_format import SLOT_HEADER_BYTES, SlabGeometry
 from kvstrata.tiers.disk_dir import index_dir
+from kvstrata.tiers.disk_format import SLOT_HEADER_BYTES, SlabGeometry
 from kvstrata.tiers.disk_index import DiskIndex, encode_key
 
 PAGES = hashes(6)

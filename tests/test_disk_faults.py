@@ -28,8 +28,8 @@ from disk_rig import (
 
 from kvstrata.errors import DiskFormatError, DiskStoreError
 from kvstrata.tiers.disk_audit import audit_directory
-from kvstrata.tiers.disk_format import SLOT_HEADER_BYTES, SlabFile, crc32c
 from kvstrata.tiers.disk_dir import index_dir
+from kvstrata.tiers.disk_format import SLOT_HEADER_BYTES, SlabFile, crc32c
 from kvstrata.tiers.disk_index import DiskIndex
 from kvstrata.tiers.disk_store import DiskConfig, DiskStore
 

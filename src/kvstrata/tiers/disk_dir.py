@@ -193,8 +193,11 @@ def prepare_root(root: Path, create: bool = True) -> None:
     """Check that ``root`` is a disk tier directory kvstrata may write in, creating and marking
     it (and its ``slabs/`` and ``index/``) when ``create`` and it is new or empty."""
     root = Path(root)
-    if not is_real_dir(root):
-        refuse_link(root, "dir")
+    # ROOT itself is the user's choice and may be a link to a directory (``/nvme`` often is);
+    # everything below it is kvstrata's and is never reached through one.
+    if not root.is_dir():
+        if os.path.lexists(root):
+            raise DiskStoreError(f"{root} is not a directory; give the disk tier a directory")
         if not create:
             raise DiskStoreError(f"{root} is not a kvstrata disk directory (it does not exist)")
         try:

@@ -346,6 +346,7 @@ class SlabFile:
     ) -> tuple[SlabFile, bool]:
         """Open a slab whose superblock must describe ``geometry``; returns the file and whether
         it was shorter than its geometry (a truncated slab, extended again here)."""
+        refuse_link(path)
         found, size = cls.read_geometry(path)
         if isinstance(found, str):
             raise DiskFormatError(
