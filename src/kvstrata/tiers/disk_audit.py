@@ -326,7 +326,7 @@ def _damaged(
     """A group's index that LMDB cannot read: reported; with ``fix``, rebuilt from the slabs
     (or removed when the group has none: no page of it can be served anyway)."""
     assert group.index is not None
-    detail = why.split("; run 'kvstrata")[0]
+    detail = why.split("; run 'kvstrata")[0].removeprefix(f"the disk index {group.index} is ")
     if not fix:
         report.problems.append(Problem("index-damaged", str(group.index), detail))
         return

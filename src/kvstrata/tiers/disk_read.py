@@ -19,6 +19,8 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
+import lmdb
+
 from .disk_buffers import Staging, host_page_bytes
 from .disk_events import Counters, RateLimitedLog
 from .disk_format import SlabFile, check_slot
@@ -83,12 +85,17 @@ class PageReader:
         assert self._index is not None
         ns, num_payloads = self.namespace.digest, len(self._slabs)
         slots: list[int] = []
-        with self._index.read() as txn:
-            for h in hashes:
-                entry = self._index.page(txn, ns, self.rank, h, num_payloads)
-                if entry is None:
-                    break
-                slots.append(entry.slot)
+        try:
+            with self._index.read() as txn:
+                for h in hashes:
+                    entry = self._index.page(txn, ns, self.rank, h, num_payloads)
+                    if entry is None:
+                        break
+                    slots.append(entry.slot)
+        except lmdb.Error as err:  # a damaged index: misses, counted, never a crash
+            self.counters.add(index_errors=1)
+            self._warn.warn("index", f"cannot read the disk index: {err}")
+            slots = []
         self.counters.add(read_misses=len(hashes) - len(slots))
         bad = next((i for i, s in enumerate(slots) if not 0 <= s < self.num_slots), None)
         if bad is not None:  # an entry past the slab (another process's, or corrupt): a miss
@@ -158,16 +165,27 @@ class PageReader:
                 return "verify_failures", f"payload {self.namespace.payloads[k].name}: {why}"
         # The bytes are this page's unless GC freed and rewrote the slot meanwhile, which needs
         # the entry gone first: an entry still there after the read vouches for them.
-        assert self._index is not None
-        with self._index.read() as txn:
-            entry = self._index.page(
-                txn, self.namespace.digest, self.rank, page_hash, len(self._slabs)
-            )
-        if entry is None or entry.slot != slot:
+        still = self._still_names(page_hash, slot)
+        if still is None:
+            return "read_errors", "the disk index cannot be read"
+        if not still:
             return "read_races", "the page was dropped while it was read"
         for k, spec in enumerate(self.namespace.payloads):
             buf.scatter(0, k, host_page_bytes(host_pool, spec.name, host_slot))
         return None
+
+    def _still_names(self, page_hash: bytes, slot: int) -> bool | None:
+        """Whether the index still names ``slot`` for the page (None: the index cannot be read)."""
+        assert self._index is not None
+        try:
+            with self._index.read() as txn:
+                entry = self._index.page(
+                    txn, self.namespace.digest, self.rank, page_hash, len(self._slabs)
+                )
+        except lmdb.Error:
+            self.counters.add(index_errors=1)
+            return None
+        return entry is not None and entry.slot == slot
 
     def _failed_read(self, page_hash: bytes, slot: int, counter: str, why: str) -> None:
         """Count a page that could not be read; drop it unless GC did (a race, not a fault)."""

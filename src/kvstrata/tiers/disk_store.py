@@ -404,7 +404,14 @@ class DiskStore:
         self._check_hashes(page_hashes)
         if self._closed or self._index is None:
             return 0
-        return self._index.leading(self.namespace.digest, self.rank, page_hashes, len(self._slabs))
+        try:
+            return self._index.leading(
+                self.namespace.digest, self.rank, page_hashes, len(self._slabs)
+            )
+        except lmdb.Error as err:  # a damaged index: a miss, counted, never a crash
+            self.counters.add(index_errors=1)
+            self._warn.warn("index", f"cannot read the disk index: {err}")
+            return 0
 
     def touch(self, page_hashes: Sequence[bytes]) -> None:
         """Mark pages recently used (for GC); best effort."""
