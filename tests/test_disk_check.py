@@ -194,3 +194,31 @@ def test_bad_input_exits_2_and_a_running_store_is_reported_in_use(
     with pytest.raises(SystemExit) as exit_info:
         main(["disk", "check"])
     assert exit_info.value.code == 2
+
+
+def test_fix_beside_a_starting_store_touches_nothing_of_its_group(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A store that is starting holds its group's lock while its slab is still being made (no
+    superblock yet) and its index has entries its slabs do not back yet. --fix must neither
+    unlink that slab nor delete those entries: the group is in use, reported, not judged."""
+    from kvstrata.tiers.disk_format import RankLock, lock_path
+
+    root = tmp_path / "l3"
+    with open_store(root, pages=20) as store:
+        spill_all(store, host_pool(), PAGES, ticket=1)
+    slab, _ = _slab(root, 2)
+    slab.write_bytes(bytes(8192))  # being created, in place, as kvstrata before 0.1 did
+    (other, _) = _slab(root, 1)
+    other.unlink()  # ... and this one not yet
+    lock = RankLock(lock_path(root / "slabs", NS.digest, 0))  # the starting store
+    try:
+        assert main(["disk", "check", str(root), "--fix", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert doc["in_use"] == [f"{NS.short}-r0"] and doc["problems"] == []
+        assert slab.read_bytes() == bytes(8192)
+    finally:
+        lock.release()
+    index = DiskIndex(index_dir(root, NS.digest, 0))
+    assert sum(1 for _ in index.items()) == len(PAGES) * 3  # every entry still there
+    index.close()
