@@ -231,3 +231,60 @@ def test_replay_with_a_stopped_rank_and_the_disk_tier_exits_naming_it(tmp_path: 
     assert proc.returncode not in (0, None)
     assert "rank 1 of 2 stopped answering" in err, err
     assert not [pid for pid in ranks if _alive(pid)]
+
+
+def _torchrun_ranks(port: int, ranks: list[list[str]], timeout_s: float) -> list[tuple[int, str]]:
+    """Start ``python -m kvstrata replay ARGS`` as ranks of a torchrun world (its variables set by
+    hand), one per entry of ``ranks``; (exit status, stderr) of each."""
+    env = {**os.environ, "PYTHONPATH": SRC, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "kvstrata", "replay", "--model", "none", "--no-progress", *args],
+            env={**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for rank, args in enumerate(ranks)
+    ]
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, signal.SIGKILL)
+            pytest.fail(f"a torchrun rank hung past {timeout_s} s")
+        out.append((p.returncode, err))
+    return out
+
+
+def test_under_torchrun_a_config_mismatch_names_the_field_and_exits_2() -> None:
+    from kvstrata.dist.launch import free_port
+
+    done = _torchrun_ranks(
+        free_port(), [["--page-size", "16"], ["--page-size", "32"]], timeout_s=120
+    )
+    for rank, (code, err) in enumerate(done):
+        lines = err.strip().splitlines()
+        assert code == 2, (rank, code, err)  # not 134 (SIGABRT at exit)
+        assert len(lines) == 1, err
+        other = "32 vs 16" if rank == 0 else "16 vs 32"
+        assert f"engine.page_size: {other}" in lines[0], lines[0]
+        assert "pool_tokens" not in lines[0]  # one field, not two whole configurations
+
+
+def test_under_torchrun_a_rendezvous_timeout_is_one_line() -> None:
+    from kvstrata.dist.launch import free_port
+
+    env = {**os.environ, "PYTHONPATH": SRC, "MASTER_ADDR": "127.0.0.1"}
+    env |= {"MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "2"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "replay", "--model", "none", "--no-progress",
+         "--cp-timeout", "2"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "rendezvous" in lines[0] and "did not complete within 2 s" in lines[0]

@@ -41,10 +41,11 @@ from .cache.radix import TreeStats
 from .clock import Clock, CostModel, make_clock
 from .config import KVLayout
 from .decode import Decoded, greedy_decode
+from .dist.agree import agree_on_config
 from .dist.group import Group, SoloGroup
 from .dist.launch import run_ranks, run_torchrun, under_torchrun
 from .engine import Engine, EngineConfig, Finished
-from .errors import ConfigError, DivergenceError
+from .errors import ConfigError
 from .handoff import (
     DirectoryTransport,
     Handoff,
@@ -851,17 +852,7 @@ def cost_model(cfg: ReplayConfig) -> CostModel:
 
 def _agree_on_config(group: Group, cfg: ReplayConfig) -> None:
     """Every rank must run the same configuration: compare them, naming a field that differs."""
-    if group.size == 1:
-        return
-    mine = {**asdict(cfg), "kvstrata": __version__, "torch": torch.__version__}
-    every = group.all_gather_object(mine, "config")
-    for rank, other in enumerate(every):
-        for name in sorted(mine):
-            if other.get(name) != mine[name]:
-                raise DivergenceError(
-                    f"rank {rank} runs {name}={other.get(name)!r}, rank {group.rank} runs "
-                    f"{name}={mine[name]!r}: start every rank with the same configuration"
-                )
+    agree_on_config(group, {**asdict(cfg), "kvstrata": __version__, "torch": torch.__version__})
 
 
 def _run(
