@@ -6,6 +6,10 @@ and payload CRC), confirms that the index still names that slot, and only then c
 payload into the page's host slot. Up to ``2 * read_threads`` pages are in flight, so the disk
 always has the next reads queued while earlier pages are checked and copied.
 
+A page whose slot fails its check is looked up again first: when its entry is gone or names
+another slot, GC dropped it and reused the slot during the read, which is counted as a
+``read_race`` without a warning; only a slot the index still vouches for is a verify failure.
+
 Why the index check after the read makes a verified page exact: GC deletes a page's entries
 before it frees the slot, and a slot is rewritten only once free; an entry that still names the
 slot after the read means nobody rewrote it during the read, except with the same page's bytes
@@ -162,6 +166,10 @@ class PageReader:
                 return "read_errors", f"short read: {got} of {len(view)} bytes (a truncated slab?)"
             why = check_slot(view, k, page_hash, self._payload_len[k])
             if why is not None:
+                # GC may have dropped the page and reused its slot while it was read: that is a
+                # race, not corruption, and the index says which (the entry goes before the slot)
+                if self._still_names(page_hash, slot) is False:
+                    return "read_races", "the page was dropped while it was read"
                 return "verify_failures", f"payload {self.namespace.payloads[k].name}: {why}"
         # The bytes are this page's unless GC freed and rewrote the slot meanwhile, which needs
         # the entry gone first: an entry still there after the read vouches for them.
