@@ -187,6 +187,7 @@ class Finished:
     payload: torch.Tensor | None = None  # the sequence's cached payload rows, when kept (no model)
     all_logits: torch.Tensor | None = None  # logits of every computed token, when asked for
     host_len: int = 0  # of cached_len, tokens loaded back from the host tier (L2)
+    disk_len: int = 0  # of host_len, tokens a reload brought from the disk tier (L3)
     queue_s: float = 0.0  # of ttft_s, from its arrival to the step it entered
     load_wait_s: float = 0.0  # of ttft_s, steps it ran in spent waiting for load-back copies
     draft_logits: torch.Tensor | None = None  # the speculative draft's last-token logits, if any
@@ -227,6 +228,7 @@ class _Running:
     load_wait_at_entry: float  # the engine's load-back wait total when it entered
     keep_logits: bool
     keep_all_logits: bool
+    disk_len: int = 0  # of host_len, brought from L3 by a reload
     # Pages the tree did not keep that it still reads (only after a key collision): freed at
     # the end. Ordinary duplicates are swapped for the tree's pages and freed at once.
     duplicates: list[IntArray] = field(default_factory=list)
@@ -822,6 +824,7 @@ class Engine:
             pages=pages,
             cached_len=cached_len,
             host_len=host_len,
+            disk_len=from_disk,
             done_len=cached_len,
             inserted_len=cached_len,
             arrived_at=arrived_at,
@@ -984,6 +987,7 @@ class Engine:
             payload=payload,
             all_logits=_split_draft(all_logits, self.has_draft)[0],
             host_len=run.host_len,
+            disk_len=run.disk_len,
             queue_s=run.entered_at - run.arrived_at,
             load_wait_s=self.load_wait_s - run.load_wait_at_entry,
             draft_logits=draft_logits,

@@ -266,11 +266,14 @@ def plot_hit_ratio(timeline: Timeline, path: Path) -> None:
         dp = np.diff(prompt[edges])
         mid = x[edges[1:]]
         shares = []
-        for tier in ("l1", "l2"):
+        tiers = [("l1", "L1 (device)"), ("l2", "L2 (host)")]
+        if timeline.l3_pages:
+            tiers.append(("l3", "L3 (disk)"))
+        for tier, _ in tiers:
             dh = np.diff(timeline.column(f"{tier}_hit_tokens")[edges])
             shares.append(np.divide(dh, dp, out=np.zeros_like(dh), where=dp > 0))
-        ax.stackplot(mid, *shares, labels=["L1 (device)", "L2 (host)"], alpha=0.8, step="pre")
-        total = timeline.column("l1_hit_tokens") + timeline.column("l2_hit_tokens")
+        ax.stackplot(mid, *shares, labels=[name for _, name in tiers], alpha=0.8, step="pre")
+        total = sum(timeline.column(f"{tier}_hit_tokens") for tier, _ in tiers)
         cumulative = np.divide(total, prompt, out=np.zeros_like(total), where=prompt > 0)
         ax.plot(x, cumulative, color="k", lw=1.2, label="cumulative")
         ax.set_ylim(0, 1)
@@ -285,7 +288,8 @@ def plot_occupancy(timeline: Timeline, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     x, label = _x(timeline)
-    for tier, total in (("l1", timeline.l1_pages), ("l2", timeline.l2_pages)):
+    tiers = (("l1", timeline.l1_pages), ("l2", timeline.l2_pages), ("l3", timeline.l3_pages))
+    for tier, total in tiers:
         if total:
             ax.plot(
                 x,
@@ -355,11 +359,13 @@ def write_report(directory: str | Path, data: dict[str, Any], timeline: Timeline
     figures = [
         figure(
             "hit_ratio.png",
-            "Share of each window's prompt tokens served from L1 and L2; the line is the hit ratio so far.",
+            "Share of each window's prompt tokens served from L1, L2 and L3 (with a disk tier); "
+            "the line is the hit ratio so far.",
         ),
         figure(
             "occupancy.png",
-            "Pages of each tier in use (cached, held by running requests, or reserved).",
+            "Pages of each tier in use (cached, held by running requests, or reserved; L3: disk "
+            "slots holding pages).",
         ),
         figure(
             "bytes_moved.png", "Bytes copied between the device and host tiers (landed copies)."
