@@ -199,3 +199,34 @@ def test_the_lock_holders_pid_is_never_read_half_written(tmp_path: Path) -> None
             open_store(root, pages=20, start="load")
     finally:
         os.close(fd)
+
+
+def test_disk_gc_removes_idle_namespaces_and_the_no_space_refusal_names_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvstrata.config import KVLayout, PayloadSpec
+    from kvstrata.tiers.disk_store import DiskConfig, DiskStore
+    from kvstrata.tiers.page_hash import Namespace
+
+    root = tmp_path / "l3"
+    stale = Namespace.for_layout("an-older-model", KVLayout(1, (PayloadSpec("kv", (8,)),)), 4)
+    with open_store(root, pages=20, ns=stale) as store:  # a model that ran here once
+        spill_all(store, host_pool(layout=stale.layout), hashes(3, ns=stale), ticket=1)
+    st = os.statvfs(root)
+    free = st.f_bavail * st.f_frsize
+    with pytest.raises(DiskStoreError) as err:
+        DiskStore(NS, 0, DiskConfig(root, free * 2))
+    assert f"{stale.short}-r0" in str(err.value) and "kvstrata disk gc" in str(err.value)
+    with open_store(root, pages=20) as live:  # in use: gc leaves it
+        assert main(["disk", "gc", str(root), "--dry-run"]) == 0
+        assert os.path.exists(index_dir(root, stale.digest, 0))
+        assert main(["disk", "gc", str(root)]) == 0
+        out = capsys.readouterr().out
+        assert f"removed      {stale.short}-r0" in out and f"in use       {NS.short}-r0" in out
+        assert live.lookup(hashes(1)) == 0
+    assert not list((root / "slabs").glob(f"{stale.short}-*.slab"))
+    assert not os.path.exists(index_dir(root, stale.digest, 0))
+    assert list((root / "slabs").glob(f"{NS.short}-*.slab"))  # the live one's files stay
+    assert main(["disk", "gc", str(root), "--keep", NS.short[:6]]) == 0
+    assert list((root / "slabs").glob(f"{NS.short}-*.slab"))
+    assert main(["disk", "check", str(root)]) == 0

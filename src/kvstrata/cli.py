@@ -527,8 +527,13 @@ class _AnnounceMetrics:
     """Says where the metrics are served (the port may have been picked by the system)."""
 
     def on_start(self, run: ReplayRun) -> None:
+        from .metrics import exposure_warning
+
         if run.metrics_url is not None:
             print(f"kvstrata replay: metrics on {run.metrics_url}", file=sys.stderr, flush=True)
+            warning = exposure_warning(run.config.metrics_host)
+            if warning is not None:
+                print(f"kvstrata replay: warning: {warning}", file=sys.stderr, flush=True)
 
     def on_step(self, run: ReplayRun) -> None:
         pass
