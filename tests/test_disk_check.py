@@ -15,6 +15,7 @@ from disk_rig import NS, hashes, host_pool, open_store, spill_all
 from kvstrata.cli import main
 from kvstrata.tiers import disk_format
 from kvstrata.tiers.disk_audit import audit_directory
+from kvstrata.tiers.disk_dir import index_dir
 from kvstrata.tiers.disk_format import SLOT_HEADER_BYTES, SlabGeometry
 from kvstrata.tiers.disk_index import DiskIndex, encode_key
 
@@ -37,7 +38,7 @@ def _slab(root: Path, kind: int) -> tuple[Path, SlabGeometry]:
 
 
 def _slot_of(root: Path, page: bytes) -> int:
-    index = DiskIndex(root / "index")
+    index = DiskIndex(index_dir(root, NS.digest, 0))
     with index.read() as txn:
         entry = index.page(txn, NS.digest, 0, page, 3)
     index.close()
@@ -65,7 +66,7 @@ def _header_bit(root: Path) -> None:
 
 def _put(root: Path, entries: list[tuple[bytes, int, int]], rank: int = 0) -> None:
     """Raw entries ``(page, kind, slot)``."""
-    index = DiskIndex(root / "index")
+    index = DiskIndex(index_dir(root, NS.digest, 0))
     with index.env.begin(write=True, db=index._pages) as txn:
         for page, kind, slot in entries:
             txn.put(encode_key(NS.digest, page, kind), struct.pack("<IQQ", rank, slot, 1))
@@ -77,7 +78,7 @@ def _past_slab(root: Path) -> None:
 
 
 def _incomplete(root: Path) -> None:
-    index = DiskIndex(root / "index")
+    index = DiskIndex(index_dir(root, NS.digest, 0))
     index.delete_keys([encode_key(NS.digest, PAGES[1], 2)])
     index.close()
 
@@ -115,7 +116,7 @@ def _orphan_rank(root: Path) -> None:
 
 
 def _malformed(root: Path) -> None:
-    index = DiskIndex(root / "index")
+    index = DiskIndex(index_dir(root, NS.digest, 0))
     with index.env.begin(write=True, db=index._pages) as txn:
         txn.put(b"short key", b"value")
     index.close()
@@ -178,7 +179,7 @@ def test_quick_checks_headers_only(store_dir: Path) -> None:
     assert main(["disk", "check", str(store_dir), "--quick"]) == 1
 
 
-def test_bad_input_and_a_running_store_exit_2(
+def test_bad_input_exits_2_and_a_running_store_is_reported_in_use(
     tmp_path: Path, store_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["disk", "check", str(tmp_path / "nowhere")]) == 2
@@ -186,8 +187,38 @@ def test_bad_input_and_a_running_store_exit_2(
     assert len(err) == 1 and err[0].startswith("kvstrata disk: error:")
     assert "not a kvstrata disk directory" in err[0]
     with open_store(store_dir, pages=20, start="load"):
-        assert main(["disk", "check", str(store_dir)]) == 2
-        assert "in use by another process" in capsys.readouterr().err
+        assert main(["disk", "check", str(store_dir), "--json"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert "in use, not checked" in out[-2]
+        assert json.loads(out[-1])["in_use"] == [f"{NS.short}-r0"]
     with pytest.raises(SystemExit) as exit_info:
         main(["disk", "check"])
     assert exit_info.value.code == 2
+
+
+def test_fix_beside_a_starting_store_touches_nothing_of_its_group(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A store that is starting holds its group's lock while its slab is still being made (no
+    superblock yet) and its index has entries its slabs do not back yet. --fix must neither
+    unlink that slab nor delete those entries: the group is in use, reported, not judged."""
+    from kvstrata.tiers.disk_format import RankLock, lock_path
+
+    root = tmp_path / "l3"
+    with open_store(root, pages=20) as store:
+        spill_all(store, host_pool(), PAGES, ticket=1)
+    slab, _ = _slab(root, 2)
+    slab.write_bytes(bytes(8192))  # being created, in place, as kvstrata before 0.1 did
+    (other, _) = _slab(root, 1)
+    other.unlink()  # ... and this one not yet
+    lock = RankLock(lock_path(root / "slabs", NS.digest, 0))  # the starting store
+    try:
+        assert main(["disk", "check", str(root), "--fix", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert doc["in_use"] == [f"{NS.short}-r0"] and doc["problems"] == []
+        assert slab.read_bytes() == bytes(8192)
+    finally:
+        lock.release()
+    index = DiskIndex(index_dir(root, NS.digest, 0))
+    assert sum(1 for _ in index.items()) == len(PAGES) * 3  # every entry still there
+    index.close()

@@ -102,7 +102,7 @@ def test_slab_file_writes_and_reads_slots(tmp_path: Path, direct: bool) -> None:
     assert truncated and path.stat().st_size == GEOM.file_bytes
     reopened.close()
     other = SlabGeometry(GEOM.namespace, 1, 0, 2, "k", 5000, 7)
-    with pytest.raises(DiskFormatError, match="holds 6 slots"):
+    with pytest.raises(DiskFormatError, match="num_slots 6 vs 7"):
         SlabFile.open_existing(path, other, direct)
 
 

@@ -293,7 +293,7 @@ def test_bad_configuration_is_refused(tmp_path: Path) -> None:
 def test_load_refuses_a_slab_of_another_geometry(tmp_path: Path) -> None:
     with open_store(tmp_path, pages=20):
         pass
-    with pytest.raises(DiskFormatError, match="holds 20 slots"):
+    with pytest.raises(DiskFormatError, match="in num_slots 20 vs 30 "):  # the field named
         open_store(tmp_path, pages=30, start="load")
     with open_store(tmp_path, pages=30, start="clear") as store:  # clear recreates it
         assert store.num_slots == 30

@@ -190,6 +190,7 @@ def _cp_prefill(group: Group, kind: str, model: str, outdir: str, n: int) -> dic
     engine = Engine(compute, config, group=group, model_id=model)
     requests = builtin(vocab, seed=7, n_requests=n)
     out = run(engine, requests)
+    Path(outdir).mkdir(exist_ok=True)
     transport = DirectoryTransport(outdir)
     for f in out.values():
         assert f.handoff is not None and f.error is None
@@ -304,16 +305,88 @@ def test_replay_refuses_a_draft_with_another_vocabulary() -> None:
         run_replay(_replay_cfg(draft_model="small"), progress=False)
 
 
-def test_directory_transport_clear_removes_a_previous_runs_parts(tmp_path: Path) -> None:
+def test_a_runs_handoff_directory_removes_only_its_own_parts(tmp_path: Path) -> None:
+    """A run hands over in a subdirectory it creates; closing it removes the parts it never
+    received and its temporary files, and nothing the user keeps beside or inside it."""
     compute = SyntheticCompute(8, 1000)
     engine = Engine(compute, EngineConfig(page_size=4, pool_tokens=256))
     request = builtin(1000, seed=2, n_requests=1)[0]
     (f,) = run(engine, [request]).values()
-    old = DirectoryTransport(tmp_path)
-    old.send(_part(engine, f))  # left behind by a run that never received it
-    assert DirectoryTransport(tmp_path).clear() == 1
-    with pytest.raises(HandoffError, match="before the timeout"):
-        DirectoryTransport(tmp_path).receive(request.rid, timeout_s=0.05)
+    users = ["lora.rank16.safetensors", "model.ranker.safetensors", "7.rank0.tmp.bak"]
+    for name in users:
+        (tmp_path / name).write_bytes(b"user data")
+    transport = DirectoryTransport.create(tmp_path)
+    assert transport.directory.parent == tmp_path
+    transport.send(_part(engine, f))  # never received
+    (transport.directory / "3.rank1.tmp").write_bytes(b"half a part")
+    (transport.directory / "4.rank0.safetensors").write_bytes(b"not a part of ours")
+    transport.close()
+    assert sorted(p.name for p in transport.directory.iterdir()) == ["4.rank0.safetensors"]
+    assert all((tmp_path / name).read_bytes() == b"user data" for name in users)
+    (transport.directory / "4.rank0.safetensors").unlink()
+    transport.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(users)
+
+
+def test_handoff_dir_at_a_file_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="cannot create a directory there"):
+        DirectoryTransport.create(tmp_path / "file")
+    with pytest.raises(ConfigError, match="cannot create a directory there"):
+        DirectoryTransport.create(tmp_path / "file" / "below")
+    with pytest.raises(HandoffError, match="not a directory"):
+        DirectoryTransport(tmp_path / "file")
+
+
+def test_a_full_disk_while_handing_over_is_a_handoff_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import safetensors.torch
+
+    compute = SyntheticCompute(8, 1000)
+    engine = Engine(compute, EngineConfig(page_size=4, pool_tokens=256))
+    (f,) = run(engine, builtin(1000, seed=2, n_requests=1)).values()
+
+    def full(*args: Any, **kw: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    transport = DirectoryTransport.create(tmp_path)
+    with pytest.raises(HandoffError, match="No space left on device"):
+        transport.send(_part(engine, f))
+    assert not list(transport.directory.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"handoff_dir": "x", "decode_tokens": 0}, "give --decode-tokens N"),
+        ({"handoff_dir": "x", "decode_tokens": 2, "verify": 1, "draft_model": None}, "drop it"),
+    ],
+)
+def test_handoff_dir_where_it_is_unused_is_refused(fields: dict[str, Any], message: str) -> None:
+    from kvstrata.replay import run_replay
+
+    with pytest.raises(ConfigError, match=message):
+        run_replay(_replay_cfg(**fields), progress=False)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_replay_with_cp2_and_a_handoff_dir_leaves_the_users_files(tmp_path: Path) -> None:
+    from kvstrata.replay import run_replay
+
+    users = ["lora.rank16.safetensors", "model.ranker.safetensors", "x.rank1.tmp"]
+    for name in users:
+        (tmp_path / name).write_bytes(b"user data")
+    cfg = _replay_cfg(cp=2, draft_model=None, verify=2, decode_tokens=2, handoff_dir=str(tmp_path))
+    summary = run_replay(cfg, progress=False)
+    decode = summary.verify.decode
+    assert decode is not None and decode.tokens_equal == decode.requests == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(users)
+    assert all((tmp_path / name).read_bytes() == b"user data" for name in users)
 
 
 def test_draft_payloads_take_only_the_drafts_layers() -> None:

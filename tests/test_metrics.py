@@ -145,6 +145,20 @@ def test_replay_prints_where_metrics_are_served(capsys: pytest.CaptureFixture[st
     assert "metrics on http://127.0.0.1:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("host", "warned"), [("127.0.0.1", False), ("0.0.0.0", True)])
+def test_a_metrics_host_off_loopback_is_warned_about(
+    capsys: pytest.CaptureFixture[str], host: str, warned: bool
+) -> None:
+    argv = ["replay", "--model", "none", "--metrics-port", "0", "--metrics-host", host]
+    assert main([*argv, "--limit", "3", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: --metrics-host 0.0.0.0 serves the metrics" in err) is warned, err
+    from kvstrata.metrics import exposure_warning
+
+    assert exposure_warning("::1") is None and exposure_warning("localhost") is None
+    assert exposure_warning("metrics.example.com") is not None
+
+
 def test_the_disk_tier_joins_the_families(tmp_path: Path) -> None:
     """With an L3, its slots are a tier's pages and its counters are exported; the tokens the
     engine counts as disk hits equal what the disk tier says it served."""

@@ -212,3 +212,34 @@ def test_headless_chromium_loads_every_image(report_dir: Path, tmp_path: Path) -
     assert len(marker) == 2, f"the check script did not run:\n{out.stdout[-2000:]}"
     result = json.loads(marker[1].split("</pre>", 1)[0].replace("&quot;", '"'))
     assert result == {"images": len(PLOTS), "broken": []}
+
+
+def test_the_report_shows_the_disk_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an L3, the hit-ratio plot stacks L3 hits as their own tier (not under L2) and the
+    occupancy plot has an L3 line; the timeline's L3 column ends at the summary's L3 hits."""
+    from kvstrata import report
+    from kvstrata.engine import EngineConfig
+    from kvstrata.replay import ReplayConfig, run_replay
+
+    engine = EngineConfig(
+        page_size=16, pool_tokens=1024, l2_tokens=2048, l3_dir=str(tmp_path / "l3"), l3_gib=0.05
+    )
+    timeline = Timeline()
+    summary = run_replay(
+        ReplayConfig(model="none", kv_width=8, engine=engine), progress=False, observers=[timeline]
+    ).to_json()
+    by_tier = summary["hit_tokens_by_tier"]
+    assert by_tier["l3"] > 0
+    for tier in ("l1", "l2", "l3"):
+        assert timeline.column(f"{tier}_hit_tokens")[-1] == by_tier[tier], tier
+    assert timeline.l3_pages > 0 and timeline.column("l3_pages_used").max() > 0
+    figures: list[object] = []
+    monkeypatch.setattr(report, "save", lambda fig, path: figures.append(fig))
+    report.plot_hit_ratio(timeline, tmp_path / "h.png")
+    report.plot_occupancy(timeline, tmp_path / "o.png")
+    hit, occupancy = (
+        [t.get_text() for t in fig.axes[0].get_legend().get_texts()]  # type: ignore[attr-defined]
+        for fig in figures
+    )
+    assert "L3 (disk)" in hit
+    assert any(label.startswith("L3 (") for label in occupancy)

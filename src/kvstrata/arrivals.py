@@ -12,7 +12,10 @@
 
 ``--time-scale X`` multiplies every arrival time by X (0.5: the same trace twice as fast). Requests
 keep the workload's order: a trace timestamp earlier than its predecessor's arrives with it (a
-trace's order is the order a server received it in).
+trace's order is the order a server received it in). A gap between two arrivals of more than
+:data:`MAX_GAP_S` (a day) is refused, naming the request: it is a timestamp in other units or a
+broken line far more often than a day of silence, and on the wall clock the replay would sleep
+through it (10^12 ms is 31 years); ``--time-scale`` brings a real one in.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from .errors import ConfigError
 from .workloads import Request
 
 ARRIVAL_KINDS = ("trace", "burst", "poisson")
+#: The longest gap between two consecutive arrivals (after ``--time-scale``), in seconds.
+MAX_GAP_S = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -111,5 +116,13 @@ class ArrivalTimes:
             if self._origin_ms is None:
                 self._origin_ms = request.arrival_ms
             t = max(self._last, (request.arrival_ms - self._origin_ms) / 1e3 * spec.time_scale)
+        if not t - self._last <= MAX_GAP_S:  # also NaN and inf
+            stamp = f" (timestamp {request.arrival_ms} ms)" if spec.kind == "trace" else ""
+            raise ConfigError(
+                f"request {request.rid}{stamp} arrives {t - self._last:.3g} s after the one "
+                f"before it, more than a day: a timestamp in other units? --time-scale "
+                f"{MAX_GAP_S / (t - self._last) * spec.time_scale:.2g} or less brings it within "
+                "a day, or --arrivals burst ignores the timestamps"
+            )
         self._last = t
         return t

@@ -4,13 +4,15 @@ A result is a ``--json`` summary: a ``summary.json`` file (or the directory ``--
 into), or the saved output of ``kvstrata replay --json`` (its last line). The rows are the
 numbers people compare first (hit ratio, hit tokens by tier, TTFT and its parts, throughput, bytes
 moved), then every configuration field that differs. A field one side lacks (an older schema, no
-L2) shows as a dash.
+L2) shows as a dash. Whatever a file holds, it is printed escaped: control characters (an ESC
+that would drive the terminal) appear as ``\x1b``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -57,16 +59,26 @@ def load_summary(path: str | Path) -> dict[str, Any]:
     if p.is_dir():
         p = p / "summary.json"
     try:
-        text = p.read_text()
+        text = p.read_bytes().decode()
     except OSError as err:
         raise ConfigError(f"cannot read {p}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"{p} is not a text file (not UTF-8): give a summary.json, a --report directory, or "
+            "the saved output of kvstrata replay --json"
+        ) from None
     candidates = [text] + [line for line in reversed(text.splitlines()) if line.strip()][:1]
     for candidate in candidates:
         try:
             data = json.loads(candidate)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
             continue
         if isinstance(data, dict) and "hit_ratio" in data and "schema" in data:
+            if not isinstance(data.get("config", {}), dict):
+                raise ConfigError(
+                    f"{p}: its 'config' is a {type(data['config']).__name__}, not an object; "
+                    "not a replay summary"
+                )
             return data
     raise ConfigError(
         f"{p} holds no replay summary: give a summary.json, a --report directory, or the saved "
@@ -106,8 +118,17 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, str, s
     return rows
 
 
+def printable(text: str) -> str:
+    """``text`` with control and format characters escaped (``\x1b``), safe on a terminal."""
+    return "".join(
+        c.encode("unicode_escape").decode() if unicodedata.category(c)[0] == "C" else c
+        for c in text
+    )
+
+
 def render(rows: list[tuple[str, str, str, str]], name_a: str, name_b: str) -> str:
     header = ("", name_a, name_b, "B / A")
+    rows = [(printable(a), printable(b), printable(c), printable(d)) for a, b, c, d in rows]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
     lines = []
     for r in [header, *rows]:

@@ -19,8 +19,11 @@ the same two calls. Parts on disk are safetensors files, never pickles.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -199,22 +202,51 @@ class LoopbackTransport:
         return parts
 
 
+#: The names a :class:`DirectoryTransport` writes: parts and their temporary files.
+PART_NAME = re.compile(r"^\d+\.rank\d+\.(safetensors|tmp)$")
+#: The safetensors metadata key every part carries.
+META_KEY = "kvstrata_handoff"
+
+
 class DirectoryTransport:
     """Through a directory that every rank and the decoder can reach: one safetensors file per
     part (``rid.rankR.safetensors``, written under a temporary name and renamed, so a reader never
-    sees half a file), metadata in the file's header."""
+    sees half a file), metadata in the file's header.
+
+    A run hands over through a subdirectory of its own (:meth:`create`, on one rank), so it never
+    meets, reads or deletes another run's files or the user's: :meth:`close` removes only parts of
+    :data:`PART_NAME` that carry :data:`META_KEY` (and its own temporary files), then the
+    subdirectory if that left it empty."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.directory.is_dir():
+            raise HandoffError(
+                f"the handoff directory {self.directory} does not exist or is not a directory"
+            )
 
-    def clear(self) -> int:
-        """Remove every part (and half-written file) a previous run left; returns how many. Call
-        it on one rank before any rank sends (a replay: rank 0, before the ranks first meet)."""
-        stale = [*self.directory.glob("*.rank*.safetensors"), *self.directory.glob("*.rank*.tmp")]
-        for path in stale:
-            path.unlink(missing_ok=True)
-        return len(stale)
+    @classmethod
+    def create(cls, parent: str | os.PathLike[str]) -> DirectoryTransport:
+        """A new subdirectory of ``parent`` (created if missing) for one run's parts."""
+        try:
+            os.makedirs(parent, exist_ok=True)
+            return cls(tempfile.mkdtemp(prefix="kvstrata-handoff-", dir=parent))
+        except OSError as err:
+            raise ConfigError(
+                f"--handoff-dir {parent}: cannot create a directory there ({err.strerror}); "
+                "give a writable directory every rank can reach"
+            ) from None
+
+    def close(self) -> None:
+        """Remove what this transport's run left (parts never received, half-written files) and
+        the directory itself once empty; anything else stays."""
+        for path in self.directory.iterdir():
+            if PART_NAME.match(path.name) is None or not path.is_file() or path.is_symlink():
+                continue
+            if path.suffix == ".tmp" or _is_part(path):
+                path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # something that is not ours is in it: leave it
+            self.directory.rmdir()
 
     def _path(self, rid: int, rank: int) -> Path:
         return self.directory / f"{rid}.rank{rank}.safetensors"
@@ -235,8 +267,16 @@ class DirectoryTransport:
         tensors["pages"] = torch.from_numpy(part.pages)
         path = self._path(part.rid, part.rank)
         tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata={"kvstrata_handoff": json.dumps(meta)})
-        os.replace(tmp, path)
+        try:
+            save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(meta)})
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as err:  # safetensors reports a full disk as either
+            tmp.unlink(missing_ok=True)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise HandoffError(
+                f"request {part.rid}: cannot write the handoff part {path} ({first}); free space "
+                "or give --handoff-dir on another filesystem"
+            ) from None
 
     def receive(self, rid: int, timeout_s: float = 60.0) -> list[Handoff]:
         _need_safetensors()
@@ -258,11 +298,22 @@ class DirectoryTransport:
         return path
 
 
+def _is_part(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file with a kvstrata handoff's metadata."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return META_KEY in (f.metadata() or {})
+    except (OSError, SafetensorError):
+        return False
+
+
 def _read_part(path: Path) -> Handoff:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        raw = (f.metadata() or {}).get("kvstrata_handoff")
+        raw = (f.metadata() or {}).get(META_KEY)
         if raw is None:
             raise HandoffError(f"{path} is not a kvstrata handoff part (no metadata)")
         meta = json.loads(raw)

@@ -190,6 +190,24 @@ def _lanes(used: Any, total: Any, tier: str, allocator: PageAllocator) -> None:
         total.add_metric([tier, str(lane)], size)
 
 
+def exposure_warning(host: str) -> str | None:
+    """What to tell a user whose ``--metrics-host`` is not a loopback address (None when it is):
+    the endpoint has no authentication, so every host that reaches this one reads it."""
+    import ipaddress
+
+    if host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host.strip("[]")).is_loopback:
+            return None
+    except ValueError:  # a host name: it resolves to whatever it resolves to
+        pass
+    return (
+        f"--metrics-host {host} serves the metrics, without authentication, to every host that "
+        "can reach this one; 127.0.0.1 (the default) keeps them on this machine"
+    )
+
+
 class MetricsServer:
     """A registry served over HTTP on ``host:port`` (0: a free port) until :meth:`close`."""
 

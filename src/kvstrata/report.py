@@ -21,7 +21,7 @@ import html
 import json
 import os
 import platform
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from .timeline import Timeline
 
 PLOTS = ("hit_ratio.png", "occupancy.png", "bytes_moved.png", "ttft.png")
+#: Every file :func:`write_report` writes.
+REPORT_FILES = ("summary.json", *PLOTS, "report.html")
 #: Summary fields the header shows instead of the numbers table.
 _HEADER_FIELDS = ("config", "versions", "errors")
 _WINDOWS = 100  # windows the hit-ratio plot averages over
@@ -189,10 +191,51 @@ def page(title: str, lead: str, data: dict[str, Any], figures: list[str], number
     )
 
 
+def prepare_report_dir(directory: str | Path, names: Iterable[str], flag: str = "--report") -> Path:
+    """Create the report directory and check that each of ``names`` can be written there, before
+    the work whose results it will hold (a replay, a sweep) runs."""
+    out = Path(directory)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create the report directory {out}: {err.strerror}") from None
+    for name in names:
+        path = out / name
+        if os.path.lexists(path) and (path.is_symlink() or not path.is_file()):
+            raise ConfigError(
+                f"{path} exists and is not a regular file; the report writes that name: remove "
+                f"it or give {flag} another directory"
+            )
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write into the report directory {out}: permission denied")
+    return out
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` into a temporary file beside ``path``, then rename it over ``path``: a full
+    disk or a crash leaves the previous file (or none), never half of one."""
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(
+            f"cannot write the report file {path}: {err.strerror}; free space or give the "
+            "report another directory"
+        ) from None
+
+
+def write_text(path: Path, text: str) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
 def save(fig: Figure, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format=path.suffix[1:]))
+    finally:
+        pyplot().close(fig)
 
 
 def _x(timeline: Timeline) -> tuple[npt.NDArray[np.float64], str]:
@@ -223,11 +266,14 @@ def plot_hit_ratio(timeline: Timeline, path: Path) -> None:
         dp = np.diff(prompt[edges])
         mid = x[edges[1:]]
         shares = []
-        for tier in ("l1", "l2"):
+        tiers = [("l1", "L1 (device)"), ("l2", "L2 (host)")]
+        if timeline.l3_pages:
+            tiers.append(("l3", "L3 (disk)"))
+        for tier, _ in tiers:
             dh = np.diff(timeline.column(f"{tier}_hit_tokens")[edges])
             shares.append(np.divide(dh, dp, out=np.zeros_like(dh), where=dp > 0))
-        ax.stackplot(mid, *shares, labels=["L1 (device)", "L2 (host)"], alpha=0.8, step="pre")
-        total = timeline.column("l1_hit_tokens") + timeline.column("l2_hit_tokens")
+        ax.stackplot(mid, *shares, labels=[name for _, name in tiers], alpha=0.8, step="pre")
+        total = sum(timeline.column(f"{tier}_hit_tokens") for tier, _ in tiers)
         cumulative = np.divide(total, prompt, out=np.zeros_like(total), where=prompt > 0)
         ax.plot(x, cumulative, color="k", lw=1.2, label="cumulative")
         ax.set_ylim(0, 1)
@@ -242,7 +288,8 @@ def plot_occupancy(timeline: Timeline, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     x, label = _x(timeline)
-    for tier, total in (("l1", timeline.l1_pages), ("l2", timeline.l2_pages)):
+    tiers = (("l1", timeline.l1_pages), ("l2", timeline.l2_pages), ("l3", timeline.l3_pages))
+    for tier, total in tiers:
         if total:
             ax.plot(
                 x,
@@ -303,12 +350,8 @@ def plot_ttft(timeline: Timeline, path: Path) -> None:
 def write_report(directory: str | Path, data: dict[str, Any], timeline: Timeline) -> Path:
     """Write ``summary.json`` (``data``), the plots and ``report.html`` into ``directory``
     (created if needed); returns the page's path."""
-    out = Path(directory)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
-    except OSError as err:
-        raise ConfigError(f"cannot write the report into {out}: {err.strerror}") from None
+    out = prepare_report_dir(directory, REPORT_FILES)
+    write_text(out / "summary.json", json.dumps(data, indent=1) + "\n")
     plot_hit_ratio(timeline, out / "hit_ratio.png")
     plot_occupancy(timeline, out / "occupancy.png")
     plot_bytes_moved(timeline, out / "bytes_moved.png")
@@ -316,11 +359,13 @@ def write_report(directory: str | Path, data: dict[str, Any], timeline: Timeline
     figures = [
         figure(
             "hit_ratio.png",
-            "Share of each window's prompt tokens served from L1 and L2; the line is the hit ratio so far.",
+            "Share of each window's prompt tokens served from L1, L2 and L3 (with a disk tier); "
+            "the line is the hit ratio so far.",
         ),
         figure(
             "occupancy.png",
-            "Pages of each tier in use (cached, held by running requests, or reserved).",
+            "Pages of each tier in use (cached, held by running requests, or reserved; L3: disk "
+            "slots holding pages).",
         ),
         figure(
             "bytes_moved.png", "Bytes copied between the device and host tiers (landed copies)."
@@ -338,5 +383,5 @@ def write_report(directory: str | Path, data: dict[str, Any], timeline: Timeline
         f"{data.get('clock', {}).get('kind', 'wall')} clock."
     )
     path = out / "report.html"
-    path.write_text(page("kvstrata replay", lead, data, figures, table(numbers, keyed=True)))
+    write_text(path, page("kvstrata replay", lead, data, figures, table(numbers, keyed=True)))
     return path

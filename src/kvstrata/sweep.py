@@ -29,9 +29,11 @@ import numpy as np
 
 from .errors import ConfigError
 from .replay import ReplayConfig, run_replay
-from .report import figure, format_value, page, pyplot, save
+from .report import figure, format_value, page, prepare_report_dir, pyplot, save, write_text
 
 #: Columns of the runs table: (label, path in a run's summary).
+#: Every file :func:`write_sweep_report` writes.
+SWEEP_FILES = ("sweep.json", "hit_ratio.png", "ttft.png", "tiers.png", "report.html")
 COLUMNS = (
     ("L1 tokens", "config.l1_tokens"),
     ("L2 tokens", "config.l2_tokens"),
@@ -176,12 +178,8 @@ def write_sweep_report(directory: str | Path, runs: list[dict[str, Any]]) -> Pat
     """Write ``sweep.json``, the plots and ``report.html`` for ``runs`` into ``directory``."""
     if not runs:
         raise ConfigError("the sweep finished no run; nothing to report")
-    out = Path(directory)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "sweep.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-    except OSError as err:
-        raise ConfigError(f"cannot write the sweep report into {out}: {err.strerror}") from None
+    out = prepare_report_dir(directory, SWEEP_FILES)
+    write_text(out / "sweep.json", json.dumps({"runs": runs}, indent=1) + "\n")
     for what in ("hit_ratio", "ttft", "tiers"):
         _plot(runs, out / f"{what}.png", what)
     first = runs[0]["summary"]
@@ -214,7 +212,7 @@ def write_sweep_report(directory: str | Path, runs: list[dict[str, Any]]) -> Pat
         f"arrivals {first.get('arrivals', '?')}, {first.get('clock', {}).get('kind', 'wall')} clock."
     )
     path = out / "report.html"
-    path.write_text(page("kvstrata sweep", lead, first | {"config": config}, figures, numbers))
+    write_text(path, page("kvstrata sweep", lead, first | {"config": config}, figures, numbers))
     return path
 
 

@@ -1,7 +1,8 @@
 """What a replay looked like over time: the samples behind ``kvstrata replay --report``'s plots.
 
 :class:`Timeline` is a replay observer. After engine steps it records, on the engine's clock, the
-finished requests' totals (prompt tokens, hit tokens by tier), the pages each tier holds and the
+finished requests' totals (prompt tokens, hit tokens by tier: L1, L2, L3), the pages each tier
+(the disk tier's slots included) holds and the
 bytes copied each way. It keeps at most ``max_points`` samples (and the final one) whatever the
 replay's length: every
 step at first; when full, every other sample is dropped and the stride between samples doubles,
@@ -27,8 +28,10 @@ COLUMNS = (
     "prompt_tokens",
     "l1_hit_tokens",
     "l2_hit_tokens",
+    "l3_hit_tokens",
     "l1_pages_used",
     "l2_pages_used",
+    "l3_pages_used",
     "d2h_bytes",
     "h2d_bytes",
 )
@@ -45,6 +48,7 @@ class Timeline:
         self.columns: dict[str, array[float]] = {c: array("d") for c in COLUMNS}
         self.l1_pages = 0
         self.l2_pages = 0
+        self.l3_pages = 0  # the disk tier's slots (0: no L3)
         self.clock_kind = "wall"
         self.ttft_s: npt.NDArray[np.float64] = np.empty(0)
         self.hit: npt.NDArray[np.bool_] = np.empty(0, dtype=np.bool_)
@@ -53,6 +57,7 @@ class Timeline:
         engine = run.engine
         self.l1_pages = engine.cache.allocator.num_pages
         self.l2_pages = engine.cache.host_allocator.num_pages if engine.cache.host_allocator else 0
+        self.l3_pages = engine.cache.disk.store.num_slots if engine.cache.disk is not None else 0
         self.clock_kind = run.clock.kind
         self._record(run)
 
@@ -79,9 +84,11 @@ class Timeline:
             tally.requests,
             tally.prompt_tokens,
             tally.cached_tokens - tally.l2_cached_tokens,
-            tally.l2_cached_tokens,
+            tally.l2_cached_tokens - tally.l3_cached_tokens,
+            tally.l3_cached_tokens,
             engine.cache.allocator.num_used,
             host.num_used if host is not None else 0,
+            engine.cache.disk.store.pool.num_used if engine.cache.disk is not None else 0,
             stats.d2h_bytes if stats else 0,
             stats.h2d_bytes if stats else 0,
         )

@@ -116,11 +116,11 @@ def _run_replay(args: argparse.Namespace) -> int:
         observers.append(_AnnounceMetrics())
     timeline = None
     if args.report is not None:
-        from ..report import require_matplotlib
+        from ..report import REPORT_FILES, require_matplotlib
         from ..timeline import Timeline
 
         require_matplotlib()  # before the replay, not after it
-        _make_dir(args.report)
+        _make_dir(args.report, REPORT_FILES)
         timeline = Timeline()
         observers.append(timeline)
     summary = run_replay(cfg, progress=not args.no_progress, observers=observers)
@@ -160,8 +160,13 @@ class _AnnounceMetrics:
     """Says where the metrics are served (the port may have been picked by the system)."""
 
     def on_start(self, run: ReplayRun) -> None:
+        from ..metrics import exposure_warning
+
         if run.metrics_url is not None:
             print(f"kvstrata replay: metrics on {run.metrics_url}", file=sys.stderr, flush=True)
+            warning = exposure_warning(run.config.metrics_host)
+            if warning is not None:
+                print(f"kvstrata replay: warning: {warning}", file=sys.stderr, flush=True)
 
     def on_step(self, run: ReplayRun) -> None:
         pass
@@ -197,10 +202,18 @@ def sweep_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_sweep(args: argparse.Namespace) -> int:
     from ..report import require_matplotlib
-    from ..sweep import COLUMNS, SweepGrid, configs, lookup, run_sweep, write_sweep_report
+    from ..sweep import (
+        COLUMNS,
+        SWEEP_FILES,
+        SweepGrid,
+        configs,
+        lookup,
+        run_sweep,
+        write_sweep_report,
+    )
 
     require_matplotlib()
-    _make_dir(args.report)
+    _make_dir(args.report, SWEEP_FILES)
     grid = SweepGrid(
         l1_tokens=sizes(args.l1_tokens, "--l1-tokens"),
         l2_tokens=sizes(args.l2_tokens, "--l2-tokens"),
@@ -226,16 +239,12 @@ def _run_sweep(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _make_dir(path: str) -> None:
-    """Create a report directory now, so a path that cannot hold it fails before the replay."""
-    from pathlib import Path
+def _make_dir(path: str, names: tuple[str, ...]) -> None:
+    """Create a report directory now and check its file names, so a path that cannot hold the
+    report fails before the replay, not after it."""
+    from ..report import prepare_report_dir
 
-    from ..errors import ConfigError
-
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"cannot create the report directory {path}: {err.strerror}") from None
+    prepare_report_dir(path, names)
 
 
 def _cell(value: object) -> str:

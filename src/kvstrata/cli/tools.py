@@ -130,7 +130,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 def disk_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "disk",
-        help="the disk tier (L3): audit a directory",
+        help="the disk tier (L3): audit a directory, remove idle namespaces",
         description="Tools for a disk tier directory (slabs/ and index/ under it).",
     )
     actions = p.add_subparsers(dest="disk_command", required=True, metavar="ACTION")
@@ -141,9 +141,11 @@ def disk_parser(sub: argparse._SubParsersAction) -> None:
         "full-length slab whose header (and payload CRC) holds that page, with all its payloads "
         "in one slot and no two pages in one slot. Prints every inconsistency. With --fix, drops "
         "the index entries of pages that do not check out (they become misses), extends "
-        "truncated slabs and removes slab files that are not valid, then audits again. Exit "
-        "status 0 only when the directory is clean (after --fix: when the repair left it clean), "
-        "1 when it is not, 2 when DIR is not a disk tier directory or a store is using it.",
+        "truncated slabs, removes slab files of kvstrata's name pattern that are not valid and "
+        "rebuilds a damaged index from the slot headers, then audits again. Without --fix "
+        "nothing is written. A namespace and rank a running store holds is reported in use and "
+        "not checked. Exit status 0 only when the directory is clean (after --fix: when the "
+        "repair left it clean), 1 when it is not, 2 when DIR is not a disk tier directory.",
         formatter_class=HelpFormatter,
     )
     c.add_argument("dir", metavar="DIR", help="the disk tier directory")
@@ -155,6 +157,41 @@ def disk_parser(sub: argparse._SubParsersAction) -> None:
     )
     c.add_argument("--json", action="store_true", help="print the report as JSON, last line")
     c.set_defaults(func=_run_disk_check)
+    g = actions.add_parser(
+        "gc",
+        help="remove the namespaces no store uses",
+        description="Remove the slabs and index of every namespace and rank under DIR that no "
+        "running store holds (--l3-gib bounds one store; every model, budget or cp size that "
+        "ran there left its own). Prints what went and the bytes freed.",
+        formatter_class=HelpFormatter,
+    )
+    g.add_argument("dir", metavar="DIR", help="the disk tier directory")
+    g.add_argument(
+        "--keep",
+        nargs="+",
+        default=[],
+        metavar="NS",
+        help="namespaces to keep (the 16 hex digits 'disk check' prints, or a prefix)",
+    )
+    g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    g.set_defaults(func=_run_disk_gc)
+
+
+def _run_disk_gc(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..tiers.disk_gc import collect
+
+    report = collect(Path(args.dir), keep=args.keep, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for name, nbytes in report.removed:
+        print(f"{verb:<12} {name}  {nbytes / 2**30:.3f} GiB")
+    for name in report.kept:
+        print(f"{'kept':<12} {name}")
+    for name in report.in_use:
+        print(f"{'in use':<12} {name}")
+    print(f"{'freed' if not args.dry_run else 'would free'}  {report.freed_bytes / 2**30:.3f} GiB")
+    return EXIT_OK
 
 
 def _run_disk_check(args: argparse.Namespace) -> int:
@@ -172,6 +209,8 @@ def _run_disk_check(args: argparse.Namespace) -> int:
             f"group       ns {g.namespace.hex()[:16]} rank {g.rank}: {g.num_payloads} payloads, "
             f"{g.num_slots:,} slots, {len(g.pages):,} pages check out"
         )
+    for name in report.in_use:
+        print(f"in use      {name}: a running store holds it; not checked")
     print(f"problems    {len(found)}")
     for problem in found:
         print(f"  {problem}")
@@ -179,6 +218,8 @@ def _run_disk_check(args: argparse.Namespace) -> int:
         verdict = f"FIXED ({len(found)} repaired), clean" if found else "CLEAN"
     else:
         verdict = "DIRTY" + ("" if args.fix else " (kvstrata disk check --fix repairs it)")
+    if report.in_use:
+        verdict += f" ({len(report.in_use)} in use, not checked)"
     print(f"verdict     {verdict}")
     if args.json:
         doc = {
@@ -187,6 +228,7 @@ def _run_disk_check(args: argparse.Namespace) -> int:
             "fixed": bool(args.fix and found),
             "problems": [{"kind": p.kind, "where": p.where, "detail": p.detail} for p in found],
             "remaining": len(after.all_problems),
+            "in_use": report.in_use,
             "groups": [
                 {
                     "namespace": g.namespace.hex(),

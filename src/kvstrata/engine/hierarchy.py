@@ -52,6 +52,7 @@ class Claim(NamedTuple):
     pages: IntArray  # one device page per page of the whole sequence
     cached_len: int
     host_len: int  # of cached_len, being loaded back from L2
+    disk_len: int  # of host_len, brought from L3 by a reload
 
 
 class Moved(NamedTuple):
@@ -236,7 +237,8 @@ class CacheHierarchy:
         if self.disk is not None:
             self.disk.stats.hit_tokens += from_disk
         self.peak_pages_used = max(self.peak_pages_used, allocator.num_used)
-        return Claim(node, np.concatenate((hit.device_pages, new_pages)), cached_len, host_len)
+        pages = np.concatenate((hit.device_pages, new_pages))
+        return Claim(node, pages, cached_len, host_len, from_disk)
 
     def _alloc_evicting(self, first: int, count: int) -> IntArray | None:
         """Device pages for sequence pages ``[first, first + count)``, evicting what the short

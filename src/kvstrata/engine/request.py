@@ -31,6 +31,7 @@ class Finished:
     payload: torch.Tensor | None = None  # the sequence's cached payload rows, when kept (no model)
     all_logits: torch.Tensor | None = None  # logits of every computed token, when asked for
     host_len: int = 0  # of cached_len, tokens loaded back from the host tier (L2, or L3 via L2)
+    disk_len: int = 0  # of host_len, tokens a reload brought from the disk tier (L3)
     queue_s: float = 0.0  # of ttft_s, from its arrival to the step it entered
     load_wait_s: float = 0.0  # of ttft_s, steps it ran in spent waiting for load-back copies
     draft_logits: torch.Tensor | None = None  # the speculative draft's last-token logits, if any
@@ -66,6 +67,7 @@ class Running:
     load_wait_at_entry: float  # the engine's load-back wait total when it entered
     keep_logits: bool
     keep_all_logits: bool
+    disk_len: int = 0  # of host_len, brought from L3 by a reload
     # Pages the tree did not keep that it still reads (only after a key collision): freed at
     # the end. Ordinary duplicates are swapped for the tree's pages and freed at once.
     duplicates: list[IntArray] = field(default_factory=list)

@@ -13,6 +13,7 @@ from ..engine import EngineConfig
 from ..errors import ConfigError
 from ..limits import check_device
 from ..model.attention import ATTENTION_BACKENDS
+from ..model.identity import weights_id
 from ..workloads import DEFAULT_VOCAB_SIZE
 
 _MAX_SEED = 2**64 - 1  # torch generators take seeds up to 2**64 - 1
@@ -100,6 +101,11 @@ class ReplayConfig:
             raise ConfigError(f"--decode-tokens must lie in [0, 65536], got {self.decode_tokens}")
         if self.decode_tokens and self.model == "none":
             raise ConfigError("--decode-tokens decodes with a model: give --model (not none)")
+        if self.handoff_dir is not None and not self.decode_tokens:
+            raise ConfigError(
+                "--handoff-dir is where --decode-tokens hands each rank's part over: give "
+                "--decode-tokens N (and --verify N) or drop it"
+            )
         if self.decode_tokens and not self.verify:
             raise ConfigError(
                 "--decode-tokens decodes from the handoff of each --verify request: give "
@@ -132,7 +138,7 @@ def model_id(cfg: ReplayConfig) -> str:
     """What the cache's namespace and the handoff's fingerprint name the compute by."""
     if cfg.model == "none":
         return f"none:{cfg.kv_width}:{cfg.vocab_size}"
-    return cfg.model if cfg.draft_model is None else f"{cfg.model}+draft:{cfg.draft_model}"
+    return weights_id(cfg.model, cfg.seed, cfg.engine.device, cfg.draft_model)  # the weights
 
 
 def cost_model(cfg: ReplayConfig) -> CostModel:

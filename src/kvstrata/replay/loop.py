@@ -14,10 +14,11 @@ import torch
 
 from .. import __version__
 from ..clock import make_clock
+from ..dist.agree import agree_on_config
 from ..dist.group import Group, SoloGroup
-from ..dist.launch import run_ranks, torchrun_group, under_torchrun
+from ..dist.launch import run_ranks, run_torchrun, under_torchrun
 from ..engine import Engine
-from ..errors import ConfigError, DivergenceError
+from ..errors import ConfigError
 from ..handoff import DirectoryTransport
 from ..metrics import CacheMetrics, MetricsServer
 from ..model.compute import Compute
@@ -28,7 +29,7 @@ from .feed import Feed, open_workload
 from .reports import VerifyReport
 from .state import Driven, EngineTimer, ReplayObserver, ReplayRun, _Tally
 from .summary import ReplaySummary, summarize
-from .verify import VerifySample, send_handoffs, verify_sample
+from .verify import VerifySample, handoff_transport, send_handoffs, verify_sample
 
 #: Engine steps between returns of freed heap memory to the OS (see :func:`release_free_heap`).
 TRIM_EVERY_STEPS = 256
@@ -53,6 +54,11 @@ def run_replay(
     while requests run ends the replay early: the summary covers the requests finished so far
     and says ``interrupted``.
     """
+    if cfg.handoff_dir is not None and cfg.cp == 1 and not under_torchrun():
+        raise ConfigError(
+            "--handoff-dir is where context-parallel ranks hand their parts over; one rank "
+            "hands over in memory: drop it or give --cp N"
+        )
     if cfg.cp > 1 or under_torchrun():
         if compute is not None:
             raise ConfigError("a compute object cannot be shared by context-parallel ranks")
@@ -62,15 +68,17 @@ def run_replay(
                 "parallelism (--cp 1)"
             )
         if under_torchrun():  # this process is one rank of torchrun's world
-            group = torchrun_group(cfg.engine.device, cfg.cp_timeout_s)
-            return _rank_main(group, cfg, progress)
+            summary: ReplaySummary = run_torchrun(
+                _rank_main, (cfg, progress), cfg.engine.device, cfg.cp_timeout_s
+            )
+            return summary
         with tempfile.TemporaryDirectory(prefix="kvstrata-handoff-") as tmp:
             if cfg.decode_tokens and cfg.handoff_dir is None:  # local ranks share this machine
                 cfg = replace(cfg, handoff_dir=tmp)
             ranks = run_ranks(
                 cfg.cp, _rank_main, (cfg, progress), cfg.engine.device, cfg.cp_timeout_s
             )
-        summary: ReplaySummary = ranks[0]
+        summary = ranks[0]
         return summary
     return _rank_main(SoloGroup(), cfg, progress, compute, observers)
 
@@ -94,17 +102,7 @@ def _rank_main(
 
 def _agree_on_config(group: Group, cfg: ReplayConfig) -> None:
     """Every rank must run the same configuration: compare them, naming a field that differs."""
-    if group.size == 1:
-        return
-    mine = {**asdict(cfg), "kvstrata": __version__, "torch": torch.__version__}
-    every = group.all_gather_object(mine, "config")
-    for rank, other in enumerate(every):
-        for name in sorted(mine):
-            if other.get(name) != mine[name]:
-                raise DivergenceError(
-                    f"rank {rank} runs {name}={other.get(name)!r}, rank {group.rank} runs "
-                    f"{name}={mine[name]!r}: start every rank with the same configuration"
-                )
+    agree_on_config(group, {**asdict(cfg), "kvstrata": __version__, "torch": torch.__version__})
 
 
 def _run(
@@ -115,9 +113,9 @@ def _run(
     observers: Sequence[ReplayObserver] = (),
 ) -> ReplaySummary:
     """Check what can be checked, build the engine, replay, verify, summarise."""
-    if cfg.decode_tokens and cfg.handoff_dir is not None and group.rank == 0:
-        DirectoryTransport(cfg.handoff_dir).clear()  # no rank sends before the ranks meet below
     _agree_on_config(group, cfg)
+    # A collective on every rank (under CP rank 0 makes this run's handoff subdirectory).
+    transport = handoff_transport(cfg, group) if cfg.decode_tokens else None
     shape = compute_shape(cfg, compute)
     # Under CP a request spreads over every rank's pool, so cp pools bound its length.
     pool_tokens = cfg.engine.pool_pages * cfg.engine.page_size * group.size
@@ -142,12 +140,15 @@ def _run(
         engine.close()  # the disk tier's threads and files
     verify = VerifyReport()
     if not driven.interrupted:
-        transport = send_handoffs(cfg, group, sample)  # every rank hands its part of each sample
+        send_handoffs(transport, sample)  # every rank hands its part of each sample
         if group.rank == 0:  # recomputing without the cache needs no peers
             try:
                 verify = verify_sample(cfg, compute, sample, progress, transport)
             except KeyboardInterrupt:
                 driven = driven._replace(interrupted=True)
+            finally:
+                if isinstance(transport, DirectoryTransport):
+                    transport.close()  # this run's subdirectory, and only its own parts
     return summarize(run, group, source, compute, driven, verify)
 
 

@@ -46,7 +46,8 @@ class _Tally:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
-    l2_cached_tokens: int = 0
+    l2_cached_tokens: int = 0  # loaded back from L2, L3's reloads included
+    l3_cached_tokens: int = 0
     # Per served request (25 bytes each): TTFT, its queue and load-back parts, whether it hit.
     ttft_s: array[float] = field(default_factory=lambda: array("d"))
     queue_s: array[float] = field(default_factory=lambda: array("d"))
@@ -65,6 +66,7 @@ class _Tally:
         self.cached_tokens += f.cached_len
         self.computed_tokens += f.computed_len
         self.l2_cached_tokens += f.host_len
+        self.l3_cached_tokens += f.disk_len
         self.ttft_s.append(f.ttft_s)
         self.queue_s.append(f.queue_s)
         self.load_wait_s.append(f.load_wait_s)

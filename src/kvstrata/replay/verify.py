@@ -141,16 +141,14 @@ def prefill_uncached(
     return finished
 
 
-def send_handoffs(cfg: ReplayConfig, group: Group, sample: VerifySample) -> HandoffTransport | None:
-    """With ``--decode-tokens``: hand this rank's part of each sampled request's KV to rank 0's
-    decoder; the transport it went through (None without decoding)."""
-    if not cfg.decode_tokens:
-        return None
-    transport = handoff_transport(cfg, group)
+def send_handoffs(transport: HandoffTransport | None, sample: VerifySample) -> None:
+    """With ``--decode-tokens`` (a transport): hand this rank's part of each sampled request's KV
+    to rank 0's decoder."""
+    if transport is None:
+        return
     for f in sample.finished.values():
         if f.handoff is not None:
             transport.send(f.handoff)
-    return transport
 
 
 def verify_sample(
@@ -268,7 +266,8 @@ class _Decoder:
 
 def handoff_transport(cfg: ReplayConfig, group: Group) -> HandoffTransport:
     """How a replay's ranks hand parts to the decoder on rank 0: in memory with one rank, through
-    ``cfg.handoff_dir`` with several."""
+    a subdirectory of ``cfg.handoff_dir`` with several (rank 0 creates it for this run and tells
+    the others its name; a collective, at the start of the run on every rank)."""
     if group.size == 1:
         return LoopbackTransport()
     if cfg.handoff_dir is None:
@@ -276,7 +275,9 @@ def handoff_transport(cfg: ReplayConfig, group: Group) -> HandoffTransport:
             "--decode-tokens under context parallelism needs --handoff-dir DIR, a directory "
             "every rank can write and rank 0 can read"
         )
-    return DirectoryTransport(cfg.handoff_dir)
+    made = DirectoryTransport.create(cfg.handoff_dir) if group.rank == 0 else None
+    name = group.broadcast_object(None if made is None else str(made.directory), "handoff")
+    return made if made is not None else DirectoryTransport(name)
 
 
 def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:

@@ -7,9 +7,13 @@ slot header (and, unless ``payload=False``, a payload CRC) that checks out. Free
 stale bytes are not a problem: a slot no entry names is free by definition.
 
 Repair never invents data: it deletes the index entries of pages that do not check out (so they
-read as misses), extends truncated slabs, and removes slab files that are not valid slabs or
-belong to an incomplete group. The same group audit serves ``load`` cold starts (headers only,
-repairing) and ``DiskStore.check``.
+read as misses), extends truncated slabs, removes slab files of kvstrata's name pattern that are
+not valid slabs or belong to an incomplete group, and rebuilds a damaged index from the slot
+headers (a page is entered only where every payload's slot holds its header and an intact
+payload). Every group is audited under its rank lock, taken without waiting: a group whose lock
+a store holds is reported as in use and left alone, and a group that appears meanwhile is not
+judged. Without ``fix`` nothing under the directory is written, not even a lock file. The same
+group audit serves ``load`` cold starts (headers only, repairing) and ``DiskStore.check``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lmdb
+
 from ..errors import DiskStoreError
+from .disk_dir import (
+    INDEX_DIR,
+    SLAB_DIR,
+    GroupFiles,
+    foreign_files,
+    list_groups,
+    prepare_root,
+    remove_index,
+)
 from .disk_format import (
     ALIGN,
     RankLock,
@@ -28,12 +43,12 @@ from .disk_format import (
     SlabGeometry,
     aligned_buffer,
     check_slot,
+    decode_slot_header,
     lock_path,
 )
 from .disk_index import DiskIndex, IndexEntry, decode_key, decode_value
 
-INDEX_DIR = "index"
-SLAB_DIR = "slabs"
+__all__ = ["INDEX_DIR", "SLAB_DIR", "AuditReport", "GroupAudit", "Problem", "audit_directory"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +82,7 @@ class AuditReport:
     root: Path
     groups: list[GroupAudit] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    in_use: list[str] = field(default_factory=list)  # groups a store holds: not checked
     fixed: bool = False
 
     @property
@@ -153,14 +169,12 @@ def audit_group(
 
 
 def _open_group(
-    ns: bytes,
-    rank: int,
+    where: str,
     files: dict[int, tuple[Path, SlabGeometry, int]],
     report: AuditReport,
     fix: bool,
 ) -> list[SlabFile] | None:
     """The group's slabs in kind order, or None (with problems recorded) when it is unusable."""
-    where = _where(ns, rank)
     counts = {g.num_payloads for _, g, _ in files.values()}
     slots = {g.num_slots for _, g, _ in files.values()}
     num_payloads = max(counts)
@@ -185,44 +199,97 @@ def _open_group(
                 Problem("slab-truncated", str(path), f"{size} bytes of {geom.file_bytes}")
             )
             if fix:
-                with open(path, "r+b") as f:
-                    os.posix_fallocate(f.fileno(), 0, geom.file_bytes)
-        slabs.append(SlabFile(path, geom, direct=False))
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    os.posix_fallocate(fd, 0, geom.file_bytes)
+                finally:
+                    os.close(fd)
+        slabs.append(SlabFile(path, geom, direct=False, readonly=not fix))
     return slabs
 
 
-def audit_directory(root: Path, *, fix: bool = False, payload: bool = True) -> AuditReport:
-    """Audit every slab group and index entry under ``root`` (a disk tier directory)."""
-    root = Path(root)
-    if not (root / INDEX_DIR / "data.mdb").is_file():
-        raise DiskStoreError(f"{root} is not a kvstrata disk directory (no {INDEX_DIR}/data.mdb)")
-    report = AuditReport(root)
-    groups: dict[tuple[bytes, int], dict[int, tuple[Path, SlabGeometry, int]]] = defaultdict(dict)
-    for path in sorted((root / SLAB_DIR).glob("*.slab")):
+def rebuild_index(index: DiskIndex, slabs: Sequence[SlabFile]) -> int:
+    """Enter every page whose slots all hold its header and an intact payload (a slot of a
+    dropped page may come back: its bytes are still that page's, verified); returns how many."""
+    geom0 = slabs[0].geometry
+    buf = aligned_buffer(max(s.geometry.slot_bytes for s in slabs))
+    view = memoryview(buf)
+    pages: list[tuple[bytes, int, int]] = []
+    seen: set[bytes] = set()
+    try:
+        for slot in range(geom0.num_slots):
+            page_hash: bytes | None = None
+            for kind, slab in enumerate(slabs):
+                try:
+                    got = slab.read_slot(slot, view[: slab.geometry.slot_bytes])
+                except OSError:
+                    page_hash = None
+                    break
+                if page_hash is None:
+                    head = decode_slot_header(view[:got])
+                    if isinstance(head, str):
+                        break
+                    page_hash = head.page_hash
+                if check_slot(view[:got], kind, page_hash, slab.geometry.payload_len) is not None:
+                    page_hash = None
+                    break
+            if page_hash is not None and page_hash not in seen:
+                seen.add(page_hash)
+                pages.append((page_hash, slot, 0))
+    finally:
+        del view
+        buf.close()
+    index.put_pages(geom0.namespace, geom0.rank, pages, len(slabs))
+    return len(pages)
+
+
+def _read_slabs(
+    group: GroupFiles, report: AuditReport, fix: bool
+) -> dict[tuple[bytes, int], dict[int, tuple[Path, SlabGeometry, int]]]:
+    """The group's valid slabs by (namespace, rank) and kind; the others reported (and, with
+    ``fix``, removed when they are regular files of kvstrata's pattern)."""
+    found: dict[tuple[bytes, int], dict[int, tuple[Path, SlabGeometry, int]]] = defaultdict(dict)
+    for path in group.slabs:
         geom, size = SlabFile.read_geometry(path)
+        if isinstance(geom, str) and ("symbolic link" in geom or "not a regular" in geom):
+            report.problems.append(Problem("not-regular", str(path), f"{geom}; left alone"))
+            continue
         if isinstance(geom, str) or path.name != geom.file_name():
             why = geom if isinstance(geom, str) else f"its superblock names {geom.file_name()}"
             report.problems.append(Problem("slab-superblock", str(path), why))
             if fix:
                 path.unlink()
             continue
-        groups[(geom.namespace, geom.rank)][geom.payload_kind] = (path, geom, size)
+        found[(geom.namespace, geom.rank)][geom.payload_kind] = (path, geom, size)
+    for path in group.temps:
+        report.problems.append(
+            Problem("slab-temp", str(path), "a slab whose creation never finished")
+        )
+        if fix:
+            path.unlink(missing_ok=True)
+    return found
 
-    index = DiskIndex(root / INDEX_DIR)
-    locks: list[RankLock] = []
-    valid: set[tuple[bytes, int]] = set()
+
+def _audit_index(
+    group: GroupFiles,
+    slabs: list[SlabFile] | None,
+    ns: bytes | None,
+    report: AuditReport,
+    fix: bool,
+    payload: bool,
+) -> None:
+    """Audit (and with ``fix`` repair) the group's index against its slabs."""
+    assert group.index is not None
     try:
-        for (ns, rank), files in sorted(groups.items()):
-            locks.append(RankLock(lock_path(root / SLAB_DIR, ns, rank)))
-            slabs = _open_group(ns, rank, files, report, fix)
-            if slabs is None:
-                continue
-            try:
-                report.groups.append(audit_group(index, ns, rank, slabs, payload=payload, fix=fix))
-                valid.add((ns, rank))
-            finally:
-                for slab in slabs:
-                    slab.close()
+        index = DiskIndex(group.index, readonly=not fix)
+    except DiskStoreError as err:
+        _damaged(group, slabs, report, fix, str(err))
+        return
+    try:
+        if slabs is not None and ns is not None:
+            report.groups.append(
+                audit_group(index, ns, group.rank, slabs, payload=payload, fix=fix)
+            )
         stray = []
         for key, value in index.items():
             decoded, entry = decode_key(key), decode_value(value)
@@ -235,7 +302,7 @@ def audit_directory(root: Path, *, fix: bool = False, payload: bool = True) -> A
                     )
                 )
                 stray.append(key)
-            elif (decoded[0], entry.rank) not in valid:
+            elif slabs is None or decoded[0] != ns or entry.rank != group.rank:
                 report.problems.append(
                     Problem(
                         "entry-orphan",
@@ -246,9 +313,88 @@ def audit_directory(root: Path, *, fix: bool = False, payload: bool = True) -> A
                 stray.append(key)
         if fix and stray:
             index.delete_keys(stray)
-        report.fixed = fix
-    finally:
-        for lock in locks:
-            lock.release()
+    except lmdb.Error as err:
         index.close()
+        _damaged(group, slabs, report, fix, f"{group.index}: {str(err).strip()[:200]}")
+        return
+    index.close()
+
+
+def _damaged(
+    group: GroupFiles, slabs: list[SlabFile] | None, report: AuditReport, fix: bool, why: str
+) -> None:
+    """A group's index that LMDB cannot read: reported; with ``fix``, rebuilt from the slabs
+    (or removed when the group has none: no page of it can be served anyway)."""
+    assert group.index is not None
+    detail = why.split("; run 'kvstrata")[0].removeprefix(f"the disk index {group.index} is ")
+    if not fix:
+        report.problems.append(Problem("index-damaged", str(group.index), detail))
+        return
+    remove_index(group.index)
+    rebuilt = 0
+    if slabs is not None:
+        index = DiskIndex(group.index)
+        try:
+            rebuilt = rebuild_index(index, slabs)
+        finally:
+            index.close()
+    report.problems.append(
+        Problem(
+            "index-damaged",
+            str(group.index),
+            f"{detail}; rebuilt from the slot headers ({rebuilt} pages)",
+        )
+    )
+
+
+def _audit_group_files(
+    root: Path, name: str, report: AuditReport, *, fix: bool, payload: bool
+) -> None:
+    """One group, under its rank lock (tried, never waited for)."""
+    ns_hex, rank = name.rsplit("-r", 1)
+    try:
+        lock = RankLock(lock_path(root / SLAB_DIR, bytes.fromhex(ns_hex), int(rank)), not fix)
+    except DiskStoreError:
+        report.in_use.append(name)
+        return
+    try:
+        # Listed again under the lock: what a store did before it let go counts, nothing after.
+        group = next((g for g in list_groups(root) if g.name == name), None)
+        if group is None:
+            return
+        found = _read_slabs(group, report, fix)
+        slabs: list[SlabFile] | None = None
+        ns: bytes | None = None
+        for (group_ns, group_rank), files in sorted(found.items()):
+            where = _where(group_ns, group_rank)
+            opened = _open_group(where, files, report, fix)
+            if opened is not None and slabs is None:
+                slabs, ns = opened, group_ns
+            elif opened is not None:  # two namespaces behind one 64-bit prefix: not ours to judge
+                report.problems.append(Problem("group-ambiguous", where, "a second namespace"))
+                for slab in opened:
+                    slab.close()
+        try:
+            if group.index is not None:
+                _audit_index(group, slabs, ns, report, fix, payload)
+        finally:
+            for slab in slabs or []:
+                slab.close()
+    finally:
+        lock.release()
+
+
+def audit_directory(root: Path, *, fix: bool = False, payload: bool = True) -> AuditReport:
+    """Audit every slab group and index entry under ``root`` (a disk tier directory). Without
+    ``fix`` nothing is written; a group in use by a store is listed in ``in_use``, unchecked."""
+    root = Path(root)
+    prepare_root(root, create=False)
+    report = AuditReport(root)
+    for path in foreign_files(root):
+        report.problems.append(
+            Problem("foreign-file", str(path), "not a name kvstrata writes; left alone")
+        )
+    for group in list_groups(root):
+        _audit_group_files(root, group.name, report, fix=fix, payload=payload)
+    report.fixed = fix
     return report

@@ -29,13 +29,16 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 import struct
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import crc32c as _crc32c
 
 from ..errors import DiskFormatError, DiskStoreError
+from .disk_dir import FILE_MODE, refuse_link, temp_name
 from .page_hash import FORMAT_VERSION
 
 #: O_DIRECT offset, length and buffer alignment (one filesystem block on every disk we target).
@@ -48,6 +51,25 @@ _SLOT_HEAD = struct.Struct("<8sHHI32sIII")
 _SUPER_HEAD = struct.Struct("<8sHHHHI32s32sQQQ")
 _CRC = struct.Struct("<I")
 assert _SLOT_HEAD.size + _CRC.size == SLOT_HEADER_BYTES
+#: Why a slab whose superblock was never written (creation killed before it) does not count.
+NO_SUPERBLOCK = "no superblock (its creation never finished)"
+#: Every open below ``slabs/``: never through a symbolic link.
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_regular(path: Path, flags: int, mode: int = FILE_MODE) -> int:
+    """``os.open`` that refuses a symbolic link (``O_NOFOLLOW``) and anything but a regular file,
+    with a :class:`DiskStoreError` that says so; other OSErrors propagate."""
+    try:
+        fd = os.open(path, flags | _NOFOLLOW, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            refuse_link(path)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        refuse_link(path)
+    return fd
 
 
 def crc32c(data: bytes | memoryview, value: int = 0) -> int:
@@ -156,6 +178,17 @@ class SlabGeometry:
     def file_bytes(self) -> int:
         return ALIGN + self.num_slots * self.slot_bytes
 
+    def differences(self, other: SlabGeometry) -> str:
+        """The fields in which ``other`` differs, as ``name: mine vs other``."""
+        out = []
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a != b:
+                if isinstance(a, bytes) and isinstance(b, bytes):
+                    a, b = a.hex()[:16], b.hex()[:16]
+                out.append(f"{f.name} {a} vs {b}")
+        return ", ".join(out)
+
     def slot_offset(self, slot: int) -> int:
         assert 0 <= slot < self.num_slots, f"slot {slot} outside [0, {self.num_slots})"
         return ALIGN + slot * self.slot_bytes
@@ -188,8 +221,8 @@ class SlabGeometry:
     def decode(cls, buf: bytes | memoryview) -> SlabGeometry | str:
         """The geometry a superblock describes, or why ``buf`` is not a valid superblock."""
         size = _SUPER_HEAD.size + _CRC.size
-        if len(buf) < size:
-            return f"short superblock ({len(buf)} bytes)"
+        if len(buf) < size or not any(buf[:size]):
+            return NO_SUPERBLOCK
         fields = _SUPER_HEAD.unpack_from(buf)
         magic, version, kind, num_payloads, _, rank, ns, name, length, slot_bytes, num_slots = (
             fields
@@ -216,7 +249,7 @@ def probe_direct_io(directory: Path) -> str | None:
     path = directory / f".odirect-probe-{os.getpid()}"
     buf = aligned_buffer(ALIGN)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT | _NOFOLLOW, 0o600)
     except OSError as err:
         return f"O_DIRECT open failed: {err.strerror}"
     try:
@@ -240,13 +273,15 @@ class SlabFile:
     O_DIRECT requires and what the buffered mode accepts as well.
     """
 
-    def __init__(self, path: Path, geometry: SlabGeometry, direct: bool) -> None:
+    def __init__(
+        self, path: Path, geometry: SlabGeometry, direct: bool, readonly: bool = False
+    ) -> None:
         self.path = path
         self.geometry = geometry
         self.direct = direct
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        flags = (os.O_RDONLY if readonly else os.O_RDWR) | (os.O_DIRECT if direct else 0)
         try:
-            self._fd = os.open(path, flags)
+            self._fd = open_regular(path, flags)
         except OSError as err:
             raise DiskStoreError(f"cannot open slab {path}: {err.strerror}") from None
 
@@ -254,22 +289,29 @@ class SlabFile:
 
     @classmethod
     def create(cls, path: Path, geometry: SlabGeometry, direct: bool) -> SlabFile:
-        """Create (or replace) ``path`` as an empty slab: preallocate it whole, write the
-        superblock, make both durable. A full disk is refused here, not met mid-spill."""
+        """Create (or replace) ``path`` as an empty slab: a new file (``O_EXCL``) under a temporary
+        name, preallocated whole, its superblock written and durable, then renamed over ``path``
+        (which replaces a directory entry, never a link's target). A killed creation leaves only
+        the temporary file; a full disk is refused here, not met mid-spill."""
+        refuse_link(path)
+        tmp = path.with_name(temp_name(path.name))
         try:
-            fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR | os.O_CLOEXEC, 0o644)
+            fd = open_regular(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR)
+        except FileExistsError:  # left by a killed process that had our pid
+            tmp.unlink()
+            return cls.create(path, geometry, direct)
         except OSError as err:
             raise DiskStoreError(
-                f"cannot create slab {path}: {err.strerror}; give the disk tier a writable "
-                "directory"
+                f"cannot create slab {tmp}: {err.strerror}; give the disk tier a writable directory"
             ) from None
         try:
             os.posix_fallocate(fd, 0, geometry.file_bytes)
             os.pwrite(fd, geometry.encode(), 0)
             os.fdatasync(fd)
+            os.rename(tmp, path)
         except OSError as err:
             os.close(fd)
-            path.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskStoreError(
                     f"no room for a slab of {geometry.file_bytes / 2**30:.2f} GiB at {path}: "
@@ -284,11 +326,18 @@ class SlabFile:
     def read_geometry(path: Path) -> tuple[SlabGeometry | str, int]:
         """``(geometry or why the superblock is bad, file size)`` without opening for writes."""
         try:
-            with open(path, "rb") as f:
-                head = f.read(ALIGN)
-                size = os.fstat(f.fileno()).st_size
+            fd = open_regular(path, os.O_RDONLY)
+        except DiskStoreError as err:
+            return str(err).split(";")[0].removeprefix(f"{path} is "), 0
         except OSError as err:
             return f"unreadable: {err.strerror}", 0
+        try:
+            head = os.pread(fd, ALIGN, 0)
+            size = os.fstat(fd).st_size
+        except OSError as err:
+            return f"unreadable: {err.strerror}", 0
+        finally:
+            os.close(fd)
         return SlabGeometry.decode(head), size
 
     @classmethod
@@ -297,6 +346,7 @@ class SlabFile:
     ) -> tuple[SlabFile, bool]:
         """Open a slab whose superblock must describe ``geometry``; returns the file and whether
         it was shorter than its geometry (a truncated slab, extended again here)."""
+        refuse_link(path)
         found, size = cls.read_geometry(path)
         if isinstance(found, str):
             raise DiskFormatError(
@@ -305,12 +355,9 @@ class SlabFile:
             )
         if found != geometry:
             raise DiskFormatError(
-                f"slab {path} holds {found.num_slots} slots of {found.payload_len}-byte "
-                f"'{found.payload_name}' pages (kind {found.payload_kind} of {found.num_payloads}), "
-                f"this store needs {geometry.num_slots} of {geometry.payload_len}-byte "
-                f"'{geometry.payload_name}' pages (kind {geometry.payload_kind} of "
-                f"{geometry.num_payloads}); start with 'clear' (drops the disk contents) or the "
-                "same budget and model"
+                f"slab {path} differs from what this store needs in {found.differences(geometry)} "
+                "(the slab's vs this store's); start with 'clear' (drops the disk contents) or "
+                "the same budget and model"
             )
         slab = cls(path, geometry, direct)
         truncated = size < geometry.file_bytes
@@ -375,12 +422,25 @@ def lock_path(slab_dir: Path, namespace: bytes, rank: int) -> Path:
 
 class RankLock:
     """An exclusive ``flock`` on one (namespace, rank)'s slabs, held while a store or an audit
-    uses them; the kernel drops it when its process dies, so a killed store never blocks."""
+    uses them; the kernel drops it when its process dies, so a killed store never blocks. It is
+    only ever tried, never waited for. ``readonly`` (an audit that writes nothing) opens an
+    existing lock file read-only and does not record its pid; without a lock file it holds
+    nothing (``held`` is False)."""
 
-    def __init__(self, path: Path) -> None:
+    #: The holder's pid, fixed width: written in one pwrite over the previous one, never
+    #: truncated first, so a contender never reads half of it.
+    _PID_WIDTH = 20
+
+    def __init__(self, path: Path, readonly: bool = False) -> None:
         self.path = path
+        self._fd = -1
+        flags = os.O_RDONLY if readonly else os.O_CREAT | os.O_RDWR
         try:
-            self._fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+            self._fd = open_regular(path, flags)
+        except FileNotFoundError:
+            if readonly:
+                return
+            raise
         except OSError as err:
             raise DiskStoreError(
                 f"cannot create {path}: {err.strerror}; give the disk tier a writable directory"
@@ -388,14 +448,28 @@ class RankLock:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            holder = self._holder()
             os.close(self._fd)
+            self._fd = -1
             raise DiskStoreError(
-                f"{path.parent} is in use by another process (pid {holder}) for this namespace "
+                f"{path.parent} is in use by another process ({holder}) for this namespace "
                 "and rank; stop it first or give this one another directory"
             ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        if not readonly:
+            os.pwrite(self._fd, f"{os.getpid():>{self._PID_WIDTH}}\n".encode(), 0)
+
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
+
+    def _holder(self) -> str:
+        """``pid N`` of the holder; it may be about to write it, so look a few times."""
+        for _ in range(20):
+            raw = os.pread(self._fd, self._PID_WIDTH + 1, 0).decode(errors="replace").strip()
+            if raw.isdigit():
+                return f"pid {int(raw)}"
+            time.sleep(0.01)
+        return "its pid is not recorded yet"
 
     def release(self) -> None:
         if self._fd >= 0:

@@ -11,14 +11,21 @@ and slot. The store writes data, ``fdatasync``-s it, and only then commits the k
 are atomic and, with ``sync``, durable), and deletes the keys before it reuses a slot: a slot no
 key names is free, whatever bytes it holds, so a crash at any point leaves nothing half-visible.
 
-Several ranks (processes) of one machine share one index per disk directory; each touches only its
-own pages (a page hash fixes its position, hence its owner). LMDB allows one environment per path
-per process, so environments are shared and reference-counted here.
+Each (namespace, rank) has an index of its own (``disk_dir.index_dir``), used by one process at a
+time (the group's ``RankLock``): a process stopped while it holds LMDB's write lock blocks nobody
+else. LMDB allows one environment per path per process, so environments are shared and
+reference-counted here.
+
+A damaged index never reaches LMDB's reader: :func:`check_map_file` compares ``data.mdb``'s size
+with what its meta pages say before it is mapped (a truncated map is a SIGBUS on first touch), and
+every ``lmdb.Error`` at open becomes a :class:`DiskStoreError` naming the directory and the way
+out (``kvstrata disk check --fix``, which rebuilds it from the slot headers, or a ``clear`` start).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -28,6 +35,7 @@ from pathlib import Path
 import lmdb
 
 from ..errors import DiskFormatError, DiskStoreError
+from .disk_dir import DIR_MODE, refuse_link
 from .page_hash import HASH_BYTES
 
 KEY = struct.Struct("<32s32sH")
@@ -44,6 +52,54 @@ MAP_BYTES_PER_ENTRY = 2 * RESERVE_BYTES_PER_ENTRY
 
 _ENVS: dict[str, tuple[lmdb.Environment, int]] = {}
 _ENVS_LOCK = threading.Lock()
+#: LMDB's meta pages (pages 0 and 1): the magic and data version, the page size (the free DB's
+#: md_pad), the last page in use and the transaction id, at these offsets into each page.
+_META = struct.Struct("<II")  # at 16: mm_magic, mm_version
+_META_PSIZE = struct.Struct("<I")  # at 40
+_META_TAIL = struct.Struct("<QQ")  # at 136: mm_last_pg, mm_txnid
+_LMDB_MAGIC, _LMDB_VERSION = 0xBEEFC0DE, 1
+WAY_OUT = (
+    "run 'kvstrata disk check --fix' on the directory (rebuilds the index from the slabs) or "
+    "start the disk tier with 'clear' (drops its contents)"
+)
+
+
+def check_map_file(path: Path) -> str | None:
+    """None when ``path/data.mdb`` is absent or whole; else what is wrong with it (a file shorter
+    than the pages its newest meta page says it holds, meta pages that are not LMDB's, a link)."""
+    data = path / "data.mdb"
+    try:
+        st = os.lstat(data)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return f"{data} is not a regular file"
+    try:
+        fd = os.open(data, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            head = os.pread(fd, 2 * 65536, 0)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        return f"cannot read {data}: {err.strerror}"
+    if len(head) < 152:
+        return f"{data} is truncated ({st.st_size} bytes, no meta page)"
+    (psize,) = _META_PSIZE.unpack_from(head, 40)
+    if psize not in {1 << k for k in range(9, 17)}:
+        return f"{data} has no LMDB meta page (page size field {psize})"
+    metas = []
+    for page in (0, 1):
+        if len(head) < page * psize + 152:
+            return f"{data} is truncated ({st.st_size} bytes, one meta page of two)"
+        magic, version = _META.unpack_from(head, page * psize + 16)
+        if (magic, version) != (_LMDB_MAGIC, _LMDB_VERSION):
+            return f"{data} meta page {page} is damaged (magic {magic:#x}, version {version})"
+        metas.append(_META_TAIL.unpack_from(head, page * psize + 136))
+    last_page, _ = max(metas, key=lambda m: m[1])
+    need = (last_page + 1) * psize
+    if st.st_size < need:
+        return f"{data} is truncated: {st.st_size:,} bytes, its meta page names {need:,}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,17 +127,24 @@ def decode_value(value: bytes | memoryview) -> IndexEntry | None:
     return IndexEntry(*VALUE.unpack(value))
 
 
-def _acquire_env(path: Path, map_size: int) -> lmdb.Environment:
+def _acquire_env(path: Path, map_size: int, readonly: bool) -> lmdb.Environment:
     key = str(path.resolve())
     with _ENVS_LOCK:
         if key in _ENVS:
             env, refs = _ENVS[key]
-            if env.info()["map_size"] < map_size:
+            if env.info()["map_size"] < map_size and not readonly:
                 env.set_mapsize(map_size)
             _ENVS[key] = (env, refs + 1)
             return env
+        refuse_link(path, "dir")
+        for name in ("data.mdb", "lock.mdb"):
+            refuse_link(path / name)
+        damage = check_map_file(path)
+        if damage is not None:
+            raise DiskStoreError(f"the disk index {path} is damaged: {damage}; {WAY_OUT}")
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            if not readonly:
+                os.makedirs(path, mode=DIR_MODE, exist_ok=True)
             env = lmdb.open(
                 key,
                 map_size=map_size,
@@ -90,16 +153,30 @@ def _acquire_env(path: Path, map_size: int) -> lmdb.Environment:
                 readahead=False,
                 sync=True,
                 metasync=True,
-                lock=True,
+                # An audit that writes nothing holds the group's flock: no writer can run, so it
+                # needs no LMDB lock file (which it would have to write).
+                lock=not readonly,
+                readonly=readonly,
+                create=not readonly,
             )
-        except (lmdb.Error, OSError) as err:
+        except lmdb.Error as err:
             raise DiskStoreError(
-                f"cannot open the disk index at {path}: {err}; give the disk tier a writable "
-                "directory on a local filesystem"
+                f"cannot open the disk index {path}: {_first_line(err)}; {WAY_OUT}"
             ) from None
-        env.reader_check()  # readers left behind by killed processes
+        except OSError as err:
+            raise DiskStoreError(
+                f"cannot create the disk index {path}: {err.strerror}; give the disk tier a "
+                "writable directory on a local filesystem"
+            ) from None
+        if not readonly:
+            env.reader_check()  # readers left behind by killed processes
         _ENVS[key] = (env, 1)
         return env
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _release_env(env: lmdb.Environment) -> None:
@@ -115,28 +192,37 @@ def _release_env(env: lmdb.Environment) -> None:
 
 
 class DiskIndex:
-    """Page entries of every namespace and rank stored under one directory."""
+    """The page entries of one group (one namespace and rank), in one LMDB environment at
+    ``path``. ``readonly`` opens an existing index without writing a byte (an audit)."""
 
-    def __init__(self, path: Path, map_size: int = MIN_MAP_BYTES) -> None:
+    def __init__(self, path: Path, map_size: int = MIN_MAP_BYTES, readonly: bool = False) -> None:
         self.path = path
         self._closed = False
-        self.env = _acquire_env(path, max(map_size, MIN_MAP_BYTES))
+        self.env = _acquire_env(path, max(map_size, MIN_MAP_BYTES), readonly)
         try:
-            self._pages = self.env.open_db(b"pages")
-            meta = self.env.open_db(b"meta")
-            with self.env.begin(write=True, db=meta) as txn:
-                found = txn.get(_FORMAT_KEY)
-                if found is None:
-                    txn.put(_FORMAT_KEY, struct.pack("<I", INDEX_FORMAT))
-                elif found != struct.pack("<I", INDEX_FORMAT):
-                    raise DiskFormatError(
-                        f"the disk index at {path} has another format "
-                        f"({found.hex()}, this kvstrata writes {INDEX_FORMAT}); use another "
-                        "directory or remove that one"
-                    )
+            if readonly:
+                self._pages = self.env.open_db(b"pages", create=False)
+                with self.env.begin(db=self.env.open_db(b"meta", create=False)) as txn:
+                    found = txn.get(_FORMAT_KEY)
+            else:
+                self._pages = self.env.open_db(b"pages")
+                meta = self.env.open_db(b"meta")
+                with self.env.begin(write=True, db=meta) as txn:
+                    found = txn.get(_FORMAT_KEY)
+                    if found is None:
+                        txn.put(_FORMAT_KEY, struct.pack("<I", INDEX_FORMAT))
+                        found = struct.pack("<I", INDEX_FORMAT)
+            if found != struct.pack("<I", INDEX_FORMAT):
+                raise DiskFormatError(
+                    f"the disk index {path} has another format "
+                    f"({found.hex() if found else 'none'}, this kvstrata writes "
+                    f"{INDEX_FORMAT}); {WAY_OUT}"
+                )
         except lmdb.Error as err:
             _release_env(self.env)
-            raise DiskStoreError(f"cannot use the disk index at {path}: {err}") from None
+            raise DiskStoreError(
+                f"the disk index {path} is damaged: {_first_line(err)}; {WAY_OUT}"
+            ) from None
         except DiskFormatError:
             _release_env(self.env)
             raise
@@ -146,7 +232,7 @@ class DiskIndex:
         (LMDB reuses freed pages and grows its file only past its last page)."""
         path = self.path / "data.mdb"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as err:
             raise DiskStoreError(f"cannot open {path}: {err.strerror}") from None
         try:

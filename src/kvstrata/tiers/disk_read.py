@@ -6,6 +6,10 @@ and payload CRC), confirms that the index still names that slot, and only then c
 payload into the page's host slot. Up to ``2 * read_threads`` pages are in flight, so the disk
 always has the next reads queued while earlier pages are checked and copied.
 
+A page whose slot fails its check is looked up again first: when its entry is gone or names
+another slot, GC dropped it and reused the slot during the read, which is counted as a
+``read_race`` without a warning; only a slot the index still vouches for is a verify failure.
+
 Why the index check after the read makes a verified page exact: GC deletes a page's entries
 before it frees the slot, and a slot is rewritten only once free; an entry that still names the
 slot after the read means nobody rewrote it during the read, except with the same page's bytes
@@ -18,6 +22,8 @@ import concurrent.futures
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+
+import lmdb
 
 from .disk_buffers import Staging, host_page_bytes
 from .disk_events import Counters, RateLimitedLog
@@ -83,12 +89,17 @@ class PageReader:
         assert self._index is not None
         ns, num_payloads = self.namespace.digest, len(self._slabs)
         slots: list[int] = []
-        with self._index.read() as txn:
-            for h in hashes:
-                entry = self._index.page(txn, ns, self.rank, h, num_payloads)
-                if entry is None:
-                    break
-                slots.append(entry.slot)
+        try:
+            with self._index.read() as txn:
+                for h in hashes:
+                    entry = self._index.page(txn, ns, self.rank, h, num_payloads)
+                    if entry is None:
+                        break
+                    slots.append(entry.slot)
+        except lmdb.Error as err:  # a damaged index: misses, counted, never a crash
+            self.counters.add(index_errors=1)
+            self._warn.warn("index", f"cannot read the disk index: {err}")
+            slots = []
         self.counters.add(read_misses=len(hashes) - len(slots))
         bad = next((i for i, s in enumerate(slots) if not 0 <= s < self.num_slots), None)
         if bad is not None:  # an entry past the slab (another process's, or corrupt): a miss
@@ -155,19 +166,34 @@ class PageReader:
                 return "read_errors", f"short read: {got} of {len(view)} bytes (a truncated slab?)"
             why = check_slot(view, k, page_hash, self._payload_len[k])
             if why is not None:
+                # GC may have dropped the page and reused its slot while it was read: that is a
+                # race, not corruption, and the index says which (the entry goes before the slot)
+                if self._still_names(page_hash, slot) is False:
+                    return "read_races", "the page was dropped while it was read"
                 return "verify_failures", f"payload {self.namespace.payloads[k].name}: {why}"
         # The bytes are this page's unless GC freed and rewrote the slot meanwhile, which needs
         # the entry gone first: an entry still there after the read vouches for them.
-        assert self._index is not None
-        with self._index.read() as txn:
-            entry = self._index.page(
-                txn, self.namespace.digest, self.rank, page_hash, len(self._slabs)
-            )
-        if entry is None or entry.slot != slot:
+        still = self._still_names(page_hash, slot)
+        if still is None:
+            return "read_errors", "the disk index cannot be read"
+        if not still:
             return "read_races", "the page was dropped while it was read"
         for k, spec in enumerate(self.namespace.payloads):
             buf.scatter(0, k, host_page_bytes(host_pool, spec.name, host_slot))
         return None
+
+    def _still_names(self, page_hash: bytes, slot: int) -> bool | None:
+        """Whether the index still names ``slot`` for the page (None: the index cannot be read)."""
+        assert self._index is not None
+        try:
+            with self._index.read() as txn:
+                entry = self._index.page(
+                    txn, self.namespace.digest, self.rank, page_hash, len(self._slabs)
+                )
+        except lmdb.Error:
+            self.counters.add(index_errors=1)
+            return None
+        return entry is not None and entry.slot == slot
 
     def _failed_read(self, page_hash: bytes, slot: int, counter: str, why: str) -> None:
         """Count a page that could not be read; drop it unless GC did (a race, not a fault)."""

@@ -174,11 +174,17 @@ class SpillPipeline:
             self.events.release(job)
 
     def _gather(self, job: SpillJob) -> None:
-        with self.index.read() as txn:
-            present = [
-                self.index.page(txn, self.ns.digest, self.rank, h, self.num_payloads) is not None
-                for h, _ in job.pages
-            ]
+        try:
+            with self.index.read() as txn:
+                present = [
+                    self.index.page(txn, self.ns.digest, self.rank, h, self.num_payloads)
+                    is not None
+                    for h, _ in job.pages
+                ]
+        except lmdb.Error as err:  # write them all; the commit will say whether the index works
+            self.counters.add(index_errors=1)
+            self.warn.warn("index", f"cannot read the disk index: {err}")
+            present = [False] * len(job.pages)
         todo = [page for page, found in zip(job.pages, present, strict=True) if not found]
         for (h, _), found in zip(job.pages, present, strict=True):
             if found:

@@ -11,12 +11,13 @@
     store.reload(ticket, hashes, host_pool, host_slots)   # the same on the reader thread
     store.check(fix=False); store.stats(); store.close()
 
-Layout under ``root``: ``index/`` (LMDB, ``disk_index.py``), ``slabs/`` (one slab file per
-namespace, rank and payload, ``disk_format.py``, and a lock file per namespace and rank). The
-budget is split into equal slot counts per payload: a page takes slot ``s`` of every payload's
-slab. Cold start ``clear`` empties this rank's index entries (slabs of the right geometry are kept,
-others recreated); ``load`` keeps them, cross-checks each against its slot headers and frees what
-does not check out (``disk_audit.audit_group``).
+Layout under ``root`` (``disk_dir.py``): a marker, ``index/`` (one LMDB environment per namespace
+and rank, ``disk_index.py``), ``slabs/`` (one slab file per namespace, rank and payload,
+``disk_format.py``, and a lock file per namespace and rank). The budget is split into equal slot
+counts per payload: a page takes slot ``s`` of every payload's slab. Cold start ``clear`` starts
+this rank's index afresh (whatever state it was in; slabs of the right geometry are kept, others
+recreated); ``load`` keeps it, cross-checks each entry against its slot headers and frees what
+does not check out (``disk_audit.audit_group``), and refuses a damaged index with the way out.
 
 Every read is verified (header magic, format, kind, hash, length, header and payload CRC-32C) and
 then confirmed against the index; a page that fails is a counted miss and is dropped from the
@@ -32,14 +33,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import lmdb
+
 from ..errors import CapacityError, ConfigError, DiskStoreError
-from .disk_audit import INDEX_DIR, SLAB_DIR, GroupAudit, Problem, audit_group
+from .disk_audit import GroupAudit, Problem, audit_group
 from .disk_buffers import Staging
 from .disk_config import (
     DiskConfig,
     DiskPoll,
     DiskStats,
     watermark_slots,
+)
+from .disk_dir import (
+    SLAB_DIR,
+    TEMP_NAME,
+    group_name,
+    index_dir,
+    list_groups,
+    prepare_root,
+    remove_index,
 )
 from .disk_events import (
     POLL_S,
@@ -54,13 +66,14 @@ from .disk_events import (
 from .disk_format import (
     ALIGN,
     CRC32C_HARDWARE,
+    NO_SUPERBLOCK,
     RankLock,
     SlabFile,
     SlabGeometry,
     lock_path,
     probe_direct_io,
 )
-from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, DiskIndex
+from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, WAY_OUT, DiskIndex
 from .disk_read import PageReader
 from .disk_slots import SlotPool
 from .disk_spill import SpillPipeline
@@ -120,25 +133,21 @@ class DiskStore:
             )
             for g in geoms
         ]
+        prepare_root(config.root)  # a marked directory of kvstrata's (or refused), 0700
         slab_dir = config.root / SLAB_DIR
-        try:
-            slab_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise DiskStoreError(
-                f"cannot create {slab_dir}: {err.strerror}; give the disk tier a writable directory"
-            ) from None
-        # The lock first: it is also the check that the directory is writable at all.
+        # The lock first: it is also the check that the directory is writable at all. Nothing of
+        # this group is read or written before it is held.
         self._lock = RankLock(lock_path(slab_dir, namespace.digest, rank))
-        try:
-            self.io_mode = self._choose_io(slab_dir)
-        except BaseException:
-            self._lock.release()
-            raise
         self._slabs: list[SlabFile] = []
         self._index: DiskIndex | None = None
         try:
-            entries = num_slots * num_payloads * namespace.cp_size  # every rank's, at most
-            self._index = DiskIndex(config.root / INDEX_DIR, map_size=entries * MAP_BYTES_PER_ENTRY)
+            self._remove_temps(slab_dir)
+            self.io_mode = self._choose_io(slab_dir)
+            entries = num_slots * num_payloads
+            path = index_dir(config.root, namespace.digest, rank)
+            if config.start == "clear" and path.exists():
+                remove_index(path)  # whatever state it was in: clear always starts
+            self._index = DiskIndex(path, map_size=entries * MAP_BYTES_PER_ENTRY)
             self._index.reserve(max(entries * RESERVE_BYTES_PER_ENTRY, 1 << 20))
             self.pool = SlotPool(num_slots)
             if config.start == "clear":
@@ -171,18 +180,36 @@ class DiskStore:
         )
         return "buffered"
 
+    def _remove_temps(self, slab_dir: Path) -> None:
+        """Slabs whose creation a killed process of this group left half-made (under the lock:
+        nobody else creates this group's files)."""
+        ours = {g.file_name() for g in self._geoms}
+        for name in os.listdir(slab_dir):
+            m = TEMP_NAME.match(name)
+            if m is not None and m["final"] in ours:
+                (slab_dir / name).unlink(missing_ok=True)
+
     def _check_room(self, slab_dir: Path, reuse: list[bool]) -> None:
         need = sum(g.file_bytes for g, kept in zip(self._geoms, reuse, strict=True) if not kept)
         st = os.statvfs(slab_dir)
-        have = st.f_bavail * st.f_frsize + sum(
-            (slab_dir / g.file_name()).stat().st_size
-            for g, kept in zip(self._geoms, reuse, strict=True)
-            if not kept and (slab_dir / g.file_name()).exists()
-        )
+        have = st.f_bavail * st.f_frsize
+        for g, kept in zip(self._geoms, reuse, strict=True):
+            if not kept and os.path.lexists(slab_dir / g.file_name()):
+                have += os.lstat(slab_dir / g.file_name()).st_blocks * 512
         if need > have:
+            mine = group_name(self.namespace.digest, self.rank)
+            others = [(g.nbytes(), g.name) for g in list_groups(self.config.root) if g.name != mine]
+            stale = ""
+            if others:
+                listed = ", ".join(f"{n} {b / 2**30:.2f} GiB" for b, n in sorted(others)[::-1][:4])
+                stale = (
+                    f"; other namespaces and ranks take {sum(b for b, _ in others) / 2**30:.2f} "
+                    f"GiB there ({listed}): 'kvstrata disk gc {self.config.root}' removes those "
+                    "not in use"
+                )
             raise DiskStoreError(
                 f"the disk tier needs {need / 2**30:.2f} GiB in {slab_dir}, which has "
-                f"{have / 2**30:.2f} GiB free; lower the disk budget or free space"
+                f"{have / 2**30:.2f} GiB free{stale}; lower the disk budget or free space"
             )
 
     def _start_clear(self, slab_dir: Path) -> None:
@@ -202,7 +229,13 @@ class DiskStore:
 
     def _start_load(self, slab_dir: Path) -> None:
         direct = self.io_mode == "direct"
-        exists = [(slab_dir / g.file_name()).exists() for g in self._geoms]
+        # A slab without a superblock (an older kvstrata killed while creating it) holds nothing:
+        # it counts as absent and is created again.
+        exists = [
+            os.path.lexists(slab_dir / g.file_name())
+            and SlabFile.read_geometry(slab_dir / g.file_name())[0] != NO_SUPERBLOCK
+            for g in self._geoms
+        ]
         self._check_room(slab_dir, exists)
         for g, found in zip(self._geoms, exists, strict=True):
             path = slab_dir / g.file_name()
@@ -213,9 +246,14 @@ class DiskStore:
                 slab = SlabFile.create(path, g, direct)
             self._slabs.append(slab)
         assert self._index is not None
-        audit = audit_group(
-            self._index, self.namespace.digest, self.rank, self._slabs, payload=False, fix=True
-        )
+        try:
+            audit = audit_group(
+                self._index, self.namespace.digest, self.rank, self._slabs, payload=False, fix=True
+            )
+        except lmdb.Error as err:
+            raise DiskStoreError(
+                f"the disk index {self._index.path} is damaged: {str(err).strip()[:200]}; {WAY_OUT}"
+            ) from None
         for problem in audit.problems[:20]:
             log.warning("disk tier load: dropped %s", problem)
         self.pool.rebuild(audit.pages)
@@ -366,7 +404,14 @@ class DiskStore:
         self._check_hashes(page_hashes)
         if self._closed or self._index is None:
             return 0
-        return self._index.leading(self.namespace.digest, self.rank, page_hashes, len(self._slabs))
+        try:
+            return self._index.leading(
+                self.namespace.digest, self.rank, page_hashes, len(self._slabs)
+            )
+        except lmdb.Error as err:  # a damaged index: a miss, counted, never a crash
+            self.counters.add(index_errors=1)
+            self._warn.warn("index", f"cannot read the disk index: {err}")
+            return 0
 
     def touch(self, page_hashes: Sequence[bytes]) -> None:
         """Mark pages recently used (for GC); best effort."""

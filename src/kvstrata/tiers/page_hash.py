@@ -6,7 +6,7 @@ A page on disk is named by what it holds, not by where a tree node put it::
     h_i = SHA-256(h_{i-1}   ‖ ns ‖ tokens of page i)          tokens as little-endian uint32
 
 ``ns`` is :attr:`Namespace.digest`, a SHA-256 over a canonical encoding of everything that changes
-a page's bytes: model id, layer count, page size, every payload's name, per-token shape and dtype,
+a page's bytes: the weights' id, layer count, page size, every payload's name, per-token shape and dtype,
 cp_size and the on-disk format version. Because the chain runs through every earlier page, ``h_i``
 names the whole prefix up to page ``i``: equal hashes mean equal prefixes (up to a SHA-256
 collision), so one hash is one position is one owner (``i % cp_size``), the same in every process,
@@ -38,7 +38,9 @@ ROOT_HASH = bytes(HASH_BYTES)
 class Namespace:
     """What a page's bytes depend on, fingerprinted by :attr:`digest` (32 bytes).
 
-    model_id: names the weights (a checkpoint path or preset name; two models must differ).
+    model_id: names the weights, not what a user typed: ``kvstrata.model.identity.weights_id``
+        (a preset's name, seed and device type; a checkpoint's digest). Two models whose
+        weights differ must have different ids, or one serves the other's KV.
     num_layers / payloads / page_size: the page geometry, as in :class:`~kvstrata.config.KVLayout`.
     cp_size: ranks of the context-parallel group (page ``i`` lives on rank ``i % cp_size``).
     """
