@@ -74,6 +74,7 @@ def storage_config(
             "interface_v1": 1,
             "dir": str(root),
             "budget_bytes": 64 << 20,
+            "staging_mib": 2,  # small: a store opens in milliseconds (256 MiB by default)
             **extra,
         },
     )
