@@ -240,7 +240,10 @@ def test_check_finds_a_broken_slab() -> None:
 
 def test_borrow_serves_the_callers_memory_and_refuses_other_shapes() -> None:
     layout = KVLayout(2, (PayloadSpec("k", (3,), "bfloat16"), PayloadSpec("v", (5,), "uint8")))
-    k = [torch.zeros(4, 2, 4, 3, dtype=torch.bfloat16), torch.zeros(2, 2, 4, 3, dtype=torch.bfloat16)]
+    k = [
+        torch.zeros(4, 2, 4, 3, dtype=torch.bfloat16),
+        torch.zeros(2, 2, 4, 3, dtype=torch.bfloat16),
+    ]
     v = [torch.zeros(4, 2, 4, 5, dtype=torch.uint8), torch.zeros(2, 2, 4, 5, dtype=torch.uint8)]
     pool = HostPool.borrow(layout, 4, {"k": k, "v": v})
     assert pool.num_slots == 6 and pool.slots_per_slab == 4 and not pool.pinned

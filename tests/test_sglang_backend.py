@@ -4,11 +4,13 @@ the order SGLang's cache controller calls it (``sglang_rig``)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from sglang_rig import (
+    MHA,
     PAGE,
     attach,
     backup,
@@ -28,6 +30,7 @@ from kvstrata.integrations.sglang.settings import BackendSettings
 from kvstrata.tiers.disk_audit import SLAB_DIR
 from kvstrata.tiers.disk_format import ALIGN, SLOT_HEADER_BYTES, SlabFile
 
+MHA_LAYERS = MHA["layers"]
 KEYS = [f"{i:064x}" for i in range(300)]  # three controller batches: 128 + 128 + 44
 
 
@@ -231,3 +234,55 @@ def test_bad_calls_and_configs_are_refused(tmp_path: Path) -> None:
     settings = BackendSettings.from_extra_config({**base, "staging_mib": 16, "interface_v1": 1})
     assert settings.disk.start == "load" and settings.disk.staging_bytes == 16 << 20
     assert settings.interface_v1
+
+
+def test_a_backup_past_its_timeout_returns_only_after_its_pages_were_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang reuses the host pages once batch_set_v1 returns: a slow backup must not return
+    while the store still reads them, or a later page's bytes would land under these keys."""
+    from kvstrata.tiers.disk_buffers import Staging
+
+    pool = mha_pool()
+    backend = attach(storage_config(tmp_path, io_timeout_s=0.3), pool)
+    real_gather = Staging.gather
+    gathered: list[float] = []
+
+    def slow_gather(self: Staging, block: int, kind: int, pages: list[torch.Tensor]) -> None:
+        time.sleep(0.15)
+        real_gather(self, block, kind, pages)
+        gathered.append(time.monotonic())
+
+    monkeypatch.setattr(Staging, "gather", slow_gather)
+    keys = KEYS[:4]
+    host = pool.alloc(len(keys) * PAGE)
+    from sglang_rig import fill
+
+    fill(pool, host, keys, "slow")
+    ok = backend.batch_set_v1(keys, host)
+    returned = time.monotonic()
+    assert len(gathered) == 2 * len(keys) and returned >= gathered[-1]
+    assert ok == [False] * 4 and backend.get_stats().kvstrata["set_timeouts"] == 4
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10  # the pages were copied whole: they land, and read back right
+    while backend.batch_exists(keys) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    hit, got = prefetch(backend, pool, keys)
+    assert hit == 4 and same(got, expected(pool, keys, "slow"))
+    backend.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first", "page_head"])
+def test_other_host_layouts_round_trip(tmp_path: Path, layout: str) -> None:
+    """Every layout whose pages get_page_buffer_meta names as whole extents: page_first_direct
+    and page_head (one K and one V extent a page), layer_first (one per layer)."""
+    pool = mha_pool(layout=layout)
+    backend = attach(storage_config(tmp_path, page_first=False), pool)
+    keys = KEYS[:10]
+    assert all(backup(backend, pool, keys, layout))
+    hit, got = prefetch(backend, pool, keys)
+    assert hit == len(keys) and same(got, expected(pool, keys, layout))
+    assert backend.pages is not None and len(backend.pages.names) == (
+        2 * MHA_LAYERS if layout == "layer_first" else 2
+    )
+    backend.close()

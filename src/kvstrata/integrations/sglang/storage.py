@@ -44,6 +44,8 @@ from .settings import BackendSettings
 log = logging.getLogger("kvstrata.sglang")
 #: SGLang's STORAGE_BATCH_SIZE: the most pages one call carries.
 MAX_BATCH_PAGES = 128
+#: The longest a failed read waits for its page to leave the index.
+DROP_WAIT_S = 2.0
 #: Keys whose backup offers are counted for ``min_hits`` (oldest forgotten first).
 OFFER_CAP = 1 << 20
 
@@ -206,7 +208,9 @@ class KvstrataStorage(HiCacheStorage):
         return ok
 
     def _await_gone(self, store: DiskStore, page_hash: bytes) -> None:
-        deadline = time.monotonic() + store.config.io_timeout_s
+        # The writer thread applies drops within one of its polls (50 ms); a page that was not
+        # dropped (a read that timed out waiting for another) leaves after DROP_WAIT_S.
+        deadline = time.monotonic() + DROP_WAIT_S
         while store.lookup([page_hash]) and time.monotonic() < deadline:
             time.sleep(0.001)
 
@@ -234,15 +238,16 @@ class KvstrataStorage(HiCacheStorage):
                 self.counters.add(set_calls=1, set_pages=len(hashes), set_refused=len(hashes))
                 return [False] * len(hashes)
             durable: set[bytes] = set()
-            done = False
-            deadline = time.monotonic() + store.config.io_timeout_s
-            while not done:
-                if not store.flush(max(0.0, deadline - time.monotonic())):
-                    break
-                for d in store.poll().spilled:
+            done = released = False
+            if store.flush(store.config.io_timeout_s):  # every page durable, failed or skipped
+                got = store.poll()
+                released = ticket in got.released
+                for d in got.spilled:
                     if d.ticket == ticket:
                         durable.update(d.durable)
                         done = True
+            if not done and not released:
+                self._await_release(store, ticket)
         ok = [h in durable for h in hashes]
         self.counters.add(
             set_calls=1,
@@ -254,6 +259,17 @@ class KvstrataStorage(HiCacheStorage):
             nbytes = sum(ok) * host_pool.page_bytes
             self.counters.backed_up(sum(ok), nbytes, time.perf_counter() - t0)
         return ok
+
+    def _await_release(self, store: DiskStore, ticket: int) -> None:
+        """A backup that timed out returns only once the store no longer reads its host pages:
+        SGLang reuses them as soon as the call returns, and a page gathered after that would be
+        another page's bytes under this key. The store's own I/O timeouts bound this wait."""
+        log.warning("kvstrata storage: a backup ran past io_timeout_s; waiting for its copies")
+        while True:
+            got = store.poll()
+            if ticket in got.released or any(d.ticket == ticket for d in got.spilled):
+                return
+            time.sleep(0.001)
 
     # -- state -----------------------------------------------------------------------------------
 
