@@ -6,15 +6,25 @@
 # machine where `nvidia-smi -L` lists a GPU, a CUDA build of torch is kept if the venv has one,
 # and otherwise installed (replacing a CPU build) from the PyTorch index for the newest CUDA the
 # driver supports; the gpu extra (Triton) comes with it. The script says which it chose.
+# Then the pinned SGLang the HiCache storage backend is tested against (kvstrata.integrations.sglang,
+# tests/test_sglang_*.py): installed --no-deps, because it declares a CUDA torch and GPU kernels
+# that would replace the torch chosen here, plus the small pure-Python packages its storage and
+# host-pool modules import (KVSTRATA_SKIP_SGLANG=1 leaves SGLang out; those tests then skip).
 # Where apt is available (and we are root), Debian's chromium too, for the test that renders
 # `replay --report`'s page (tests/test_report.py skips it, with the reason, where there is no browser).
 #
 # Environment: KVSTRATA_TORCH_INDEX=URL   the PyTorch index for the CUDA build (default: by driver)
 #              KVSTRATA_SETUP_DRY_RUN=1   print the pip commands instead of running them
 #              KVSTRATA_VENV=DIR          the virtual environment (default: .venv)
+#              KVSTRATA_SKIP_SGLANG=1     do not install SGLang
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=2.13.0
+SGLANG_VERSION=0.5.23
+# What sglang.srt.mem_cache's storage and host-pool modules import (versions where SGLang pins them).
+SGLANG_NO_DEPS=("sglang==$SGLANG_VERSION" "compressed-tensors==0.18.0")
+SGLANG_IMPORTS=(orjson psutil pybase64 requests starlette msgspec pyzmq ipython aiohttp dill
+  "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" gguf loguru pydantic)
 venv=${KVSTRATA_VENV:-.venv}
 py=$venv/bin/python
 
@@ -44,6 +54,12 @@ fi
 run "$py" -m pip install -q --upgrade pip
 # torch.version.cuda is None for a CPU build; "none" when torch is not installed.
 have=$("$py" -c "import torch; print(torch.version.cuda or 'cpu')" 2>/dev/null || echo none)
+install_sglang() {  # before kvstrata itself, whose install stays the last pip step
+  if [ "${KVSTRATA_SKIP_SGLANG:-0}" = 1 ]; then return; fi
+  echo "setup: sglang $SGLANG_VERSION without its dependencies (the torch above stays)"
+  run "$py" -m pip install -q --no-deps "${SGLANG_NO_DEPS[@]}"
+  run "$py" -m pip install -q "${SGLANG_IMPORTS[@]}"
+}
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
   if [ "$have" != cpu ] && [ "$have" != none ]; then
     echo "setup: NVIDIA GPU found; keeping the CUDA build of torch already installed (CUDA $have)"
@@ -54,6 +70,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q 
     if [ "$have" = cpu ]; then run "$py" -m pip uninstall -q -y torch; fi
     run "$py" -m pip install -q "torch==$TORCH_VERSION" --index-url "$index"
   fi
+  install_sglang
   run "$py" -m pip install -q -e ".[hf,dev,gpu]"
 else
   if [ "$have" = none ]; then
@@ -62,6 +79,7 @@ else
   else
     echo "setup: no NVIDIA GPU; keeping the torch already installed ($have)"
   fi
+  install_sglang
   run "$py" -m pip install -q -e ".[hf,dev]"
 fi
 if [ "${KVSTRATA_SETUP_DRY_RUN:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \

@@ -133,6 +133,28 @@ BASE = {
         "--io-mode",
         "buffered",
     ],
+    "bench sglang-backend": [
+        "bench",
+        "sglang-backend",
+        "--dir",
+        "/tmp",
+        "--gib",
+        "0.0001",
+        "--layers",
+        "1",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--page-size",
+        "4",
+        "--repeat",
+        "1",
+        "--io-mode",
+        "buffered",
+        "--staging-mib",
+        "1",
+    ],
     "disk": ["disk", "check"],  # its value: the directory (test_disk_check_positional)
     "bench transfer": [
         "bench",
@@ -307,6 +329,12 @@ def test_bench_memory_flags() -> None:
 @pytest.mark.slow
 def test_bench_disk_flags() -> None:
     fuzz("bench disk", 20)  # a valid value runs dd
+
+
+@pytest.mark.slow
+def test_bench_sglang_backend_flags() -> None:
+    pytest.importorskip("sglang", reason="the pinned sglang is not installed (scripts/setup.sh)")
+    fuzz("bench sglang-backend", 20)  # a valid value runs dd and SGLang's host pool
 
 
 @given(value=BAD_VALUES)

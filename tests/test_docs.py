@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -46,6 +47,18 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
     return found
 
 
+#: ``sglang.launch_server`` flags in the README's SGLang section (not kvstrata's), each a field of
+#: SGLang's server arguments (checked against the installed sglang where there is one).
+SGLANG_FLAGS = {
+    "--model-path",
+    "--enable-hierarchical-cache",
+    "--hicache-mem-layout",
+    "--hicache-storage-backend",
+    "--hicache-storage-backend-extra-config",
+    "--kv-cache-dtype",
+    "--enable-metrics",
+}
+
 #: Flags the README announces for work in progress, each only in a paragraph that says they come
 #: with it. When one exists, drop it here and the README's note with it.
 PLANNED: set[str] = set()  # flags the README announces before they exist
@@ -53,6 +66,7 @@ PLANNED: set[str] = set()  # flags the README announces before they exist
 
 def test_readme_flags_exist() -> None:
     known = _options(build_parser()) | {"--nproc-per-node"}  # torchrun's, in the CP example
+    known |= SGLANG_FLAGS
     for name in BENCHMARKS:
         known |= _options(
             importlib.import_module(f"kvstrata.benchmarks.{bench_module(name)}").build_parser()
@@ -65,3 +79,14 @@ def test_readme_flags_exist() -> None:
     for paragraph in readme.split("\n\n"):
         if any(flag in paragraph for flag in PLANNED):
             assert "coming with" in paragraph, paragraph
+
+
+def test_readme_sglang_flags_are_sglangs() -> None:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        return  # without sglang installed there is nothing to check them against
+    fields = "".join(
+        p.read_text() for p in (Path(spec.origin).parent / "srt" / "arg_groups").rglob("*.py")
+    )
+    for flag in SGLANG_FLAGS:
+        assert re.search(rf"\b{flag[2:].replace('-', '_')}\b", fields), flag

@@ -236,3 +236,24 @@ def test_check_finds_a_broken_slab() -> None:
     pool._slabs["q8"][2][0] = pool._slabs["q8"][1][0]  # two layers share memory
     with pytest.raises(PoolInvariantError, match="share memory"):
         pool.check()
+
+
+def test_borrow_serves_the_callers_memory_and_refuses_other_shapes() -> None:
+    layout = KVLayout(2, (PayloadSpec("k", (3,), "bfloat16"), PayloadSpec("v", (5,), "uint8")))
+    k = [
+        torch.zeros(4, 2, 4, 3, dtype=torch.bfloat16),
+        torch.zeros(2, 2, 4, 3, dtype=torch.bfloat16),
+    ]
+    v = [torch.zeros(4, 2, 4, 5, dtype=torch.uint8), torch.zeros(2, 2, 4, 5, dtype=torch.uint8)]
+    pool = HostPool.borrow(layout, 4, {"k": k, "v": v})
+    assert pool.num_slots == 6 and pool.slots_per_slab == 4 and not pool.pinned
+    pool.page("v", 1, 5).fill_(7)  # slot 5 is row 1 of the second slab
+    assert int(v[1][1, 1].sum()) == 7 * 20 and int(v[0].sum()) == 0
+    pool.close()
+    assert int(v[1][1, 1].sum()) == 7 * 20  # nothing freed: the memory stays the caller's
+    with pytest.raises(ConfigError, match="rows"):
+        HostPool.borrow(layout, 4, {"k": k[::-1], "v": v[::-1]})
+    with pytest.raises(ConfigError, match="name payloads"):
+        HostPool.borrow(layout, 4, {"k": k})
+    with pytest.raises(ConfigError, match="do not form a host pool"):
+        HostPool.borrow(layout, 4, {"k": k, "v": [t[:, :, :, :4] for t in v]})

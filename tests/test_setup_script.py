@@ -70,3 +70,13 @@ def test_cpu_machine_gets_the_pinned_cpu_wheel_first(tmp_path: Path) -> None:
     assert any(line.endswith("pip install -q torch==2.13.0") for line in lines)
     assert "index-url" not in out
     assert lines[-1].endswith("-e .[hf,dev]")
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_sglang_comes_without_its_dependencies_and_keeps_torch(tmp_path: Path, gpu: bool) -> None:
+    out = _setup(tmp_path, gpu=gpu, torch_cuda="12.8" if gpu else "cpu")
+    lines = [line for line in out.splitlines() if line.startswith("+ ")]
+    (pinned,) = [line for line in lines if "sglang==" in line]
+    assert "--no-deps" in pinned and "sglang==0.5.23" in pinned
+    assert not any("torch" in line.split() or "torch==" in line for line in lines)  # kept
+    assert lines.index(pinned) < len(lines) - 1  # kvstrata's own install stays the last step

@@ -23,6 +23,7 @@ BENCHMARKS = (
     "memory",
     "cp",
     "disk",
+    "sglang-backend",
     "attention",
     "gpu",
     "replay",

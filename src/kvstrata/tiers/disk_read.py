@@ -108,18 +108,19 @@ class PageReader:
             slots = slots[:bad]
         timeout = self.io_timeout_s
         depth = len(self._read_bufs)
-        pending: deque[concurrent.futures.Future[tuple[str, str] | None]] = deque()
+        # (page index, its read): after a failure the reads in flight are not the last pages.
+        pending: deque[tuple[int, concurrent.futures.Future[tuple[str, str] | None]]] = deque()
 
         def submit(j: int, buf: Staging) -> None:
             args = (hashes[j], slots[j], buf, host_pool, host_slots[j])
-            pending.append(self._io.submit(self._load_page, *args))
+            pending.append((j, self._io.submit(self._load_page, *args)))
 
         for j in range(min(depth, len(slots))):  # at most `depth` pages in flight
             submit(j, self._read_bufs[j])
         try:
             for i, slot in enumerate(slots):
                 try:
-                    failed = pending.popleft().result(timeout=timeout)
+                    failed = pending.popleft()[1].result(timeout=timeout)
                 except concurrent.futures.TimeoutError:
                     self._read_bufs = self._new_read_buffers()  # the stuck read keeps the old
                     failed = ("read_errors", f"a slot read took over {timeout} s")
@@ -130,8 +131,7 @@ class PageReader:
                 if i + depth < len(slots):  # page i's buffer is free again
                     submit(i + depth, self._read_bufs[i % depth])
         finally:
-            first = len(slots) - len(pending)
-            for j, future in enumerate(pending, start=first):
+            for j, future in pending:
                 if future.cancel():
                     continue
                 try:  # a page read after one that failed still landed whole in its own slot

@@ -189,6 +189,39 @@ class HostPool:
         self._registered.append(tensor)
         return tensor
 
+    @classmethod
+    def borrow(
+        cls, layout: KVLayout, page_size: int, slabs: dict[str, list[torch.Tensor]]
+    ) -> HostPool:
+        """A ``page_first`` pool over memory another owner allocated (another engine's host
+        pool, a caller's buffers): nothing is allocated, pinned or freed here.
+
+        ``slabs[payload]`` lists that payload's slab tensors, each
+        ``[rows, layers, page_size, *token_shape]`` and contiguous; every payload has the same
+        row counts, all but the last slab the same. Host slot ``s`` is row ``s`` counted across
+        the slabs. Raises ``ConfigError`` when the tensors do not have that geometry.
+        """
+        names = [p.name for p in layout.payloads]
+        if sorted(slabs) != sorted(names):
+            raise ConfigError(f"borrowed slabs name payloads {sorted(slabs)}, not {sorted(names)}")
+        rows = [int(t.shape[0]) if t.dim() else 0 for t in slabs[names[0]]]
+        if not rows or min(rows) < 1 or any(r != rows[0] for r in rows[:-1]) or rows[-1] > rows[0]:
+            raise ConfigError(f"borrowed slabs hold {rows} rows; all but the last must be equal")
+        pool = cls.__new__(cls)
+        pool.layout, pool.page_size, pool.num_slots = layout, page_size, sum(rows)
+        pool.host_layout, pool.pinned = "page_first", False
+        pool.slots_per_slab, pool.num_slabs = rows[0], len(rows)
+        pool.max_alloc_bytes = max(t.nbytes for ts in slabs.values() for t in ts)
+        pool._slabs = {name: [list(slabs[name])] for name in names}
+        pool._registered = []
+        pool._cudart = None
+        pool._finalizer = weakref.finalize(pool, _unregister, None, pool._registered)
+        try:
+            pool.check()
+        except PoolInvariantError as err:
+            raise ConfigError(f"borrowed slabs do not form a host pool: {err}") from None
+        return pool
+
     @staticmethod
     def slots_for_bytes(layout: KVLayout, page_size: int, num_bytes: int) -> int:
         """How many whole pages of ``layout`` fit in ``num_bytes`` (``--l2-gib`` to slots)."""

@@ -1,0 +1,40 @@
+"""Verified reads of the disk tier with more pages than reads in flight: when one page fails,
+the reads already in flight still land, each reported against its own page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from disk_rig import expected_page, hashes, host_pool, open_store, read_page, spill_all
+
+from kvstrata.tiers.disk_format import SLOT_HEADER_BYTES
+
+
+def test_a_failed_page_in_a_long_read_reports_every_other_page_as_its_own(
+    tmp_path: Path,
+) -> None:
+    pool, dst = host_pool(), host_pool()
+    pages = hashes(12)
+    with open_store(tmp_path / "l3", read_threads=3) as store:  # 6 reads in flight
+        spill_all(store, pool, pages, ticket=1)
+        slot = store.pool.slot_of(pages[5])
+        assert slot is not None
+        path = store._slabs[0].path
+        at = store._slabs[0].geometry.slot_offset(slot) + SLOT_HEADER_BYTES + 3
+        with open(path, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 0x04]))
+        for t in dst.tensors():
+            t.view(torch.uint8).fill_(0xAB)
+        sentinel = read_page(dst, 20)
+        targets = list(range(20, 32))
+        ok = store.read(pages, dst, targets)
+        assert ok[:6] == [True] * 5 + [False]
+        for i, good in enumerate(ok):  # True means: that host slot holds that page
+            want = expected_page(dst, pages[i]) if good else None
+            assert not good or read_page(dst, targets[i]) == want, f"page {i}"
+        # The pages after the last one in flight were never read: their slots are untouched.
+        assert not ok[11] and read_page(dst, 31) == sentinel
