@@ -112,9 +112,7 @@ class DiskView:
             index = self._open_index()
         if index is None:
             return 0
-        return index.leading(
-            self.namespace.digest, self.rank, page_hashes, self._num_payloads
-        )
+        return index.leading(self.namespace.digest, self.rank, page_hashes, self._num_payloads)
 
     def read(
         self, page_hashes: Sequence[bytes], host_pool: HostPool, host_slots: Sequence[int]
