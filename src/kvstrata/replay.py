@@ -55,9 +55,9 @@ from .handoff import (
 )
 from .limits import ALLOCATOR_BYTES_PER_PAGE, check_device, check_fits
 from .metrics import CacheMetrics, MetricsServer, RequestTotals
-from .model.attention import ATTENTION_BACKENDS, PagedAttention
+from .model.attention import ATTENTION_BACKENDS
 from .model.compute import Compute, ModelCompute, PairCompute, SyntheticCompute, synthetic_payload
-from .model.llama import LlamaModel
+from .model.decoder import Decoder
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
 from .progress import Progress
@@ -503,9 +503,7 @@ def build_compute(cfg: ReplayConfig) -> Compute:
         return SyntheticCompute(cfg.kv_width, cfg.vocab_size)
     _, model = load_model(cfg.model, device=cfg.engine.device, dtype=cfg.dtype, seed=cfg.seed)
     model.use_attention(cfg.attention)
-    PagedAttention.for_device(  # refuse a backend the device cannot run before any work
-        cfg.attention, torch.device(cfg.engine.device), model.config.head_dim
-    )
+    model.paged_attention(torch.device(cfg.engine.device))  # refuse what the device cannot run
     dtype = next(model.parameters()).dtype
     if cfg.draft_model is None:
         return ModelCompute(model, dtype)
@@ -1221,7 +1219,7 @@ class _Decoder:
     assembled) against decoding from a prefill of it with an empty cache."""
 
     def __init__(self, cfg: ReplayConfig, compute: Compute) -> None:
-        self.draft: LlamaModel | None = None
+        self.draft: Decoder | None = None
         if isinstance(compute, PairCompute):
             self.target, self.draft = compute.target, compute.draft
         else:

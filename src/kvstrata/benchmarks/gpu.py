@@ -43,7 +43,7 @@ from ..limits import check_device
 from ..model.attention import ATTENTION_BACKENDS
 from ..model.batch import ForwardBatch
 from ..model.compute import ModelCompute
-from ..model.llama import LlamaModel
+from ..model.decoder import Decoder
 from ..model.loader import load_model
 from ..ownership import page_span
 from ..replay import ReplayConfig, ReplaySummary, run_replay
@@ -90,7 +90,7 @@ def ceilings(device: torch.device) -> dict[str, float]:
     }
 
 
-def bare_seconds(model: LlamaModel, pool: DevicePool, tokens: torch.Tensor) -> float:
+def bare_seconds(model: Decoder, pool: DevicePool, tokens: torch.Tensor) -> float:
     """Wall seconds of one uncached prefill of ``tokens`` (device drained before and after)."""
     n = tokens.numel()
     table = torch.arange(page_span(n, PAGE))
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(
-    args: argparse.Namespace, device: torch.device, model: LlamaModel, ceiling: dict[str, float]
+    args: argparse.Namespace, device: torch.device, model: Decoder, ceiling: dict[str, float]
 ) -> dict[str, Any]:
     """Every section but the ceilings, with ``model``; the JSON summary as a dict."""
     rng = np.random.default_rng(args.seed)

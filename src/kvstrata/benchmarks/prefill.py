@@ -1,12 +1,13 @@
 """Prefill throughput of kvstrata's model against transformers, on the same weights and inputs.
 
-Both sides compute what an uncached prefill needs: every layer's K/V (ours into the paged pool,
-transformers into its cache) and the logits of the last token only. The transformers model uses
-``attn_implementation="sdpa"`` and ``logits_to_keep=1``. Output: a table, then one JSON object on the
-last line.
+Both sides compute what an uncached prefill needs: every layer's KV (ours into the paged pool,
+transformers into its cache; for an MLA preset, the latent) and the logits of the last token only.
+The transformers model uses ``attn_implementation="sdpa"`` and ``logits_to_keep=1``. Output: a
+table, then one JSON object on the last line.
 
     kvstrata bench prefill --device cpu        # preset small, float32, 1024 tokens
     kvstrata bench prefill --preset llama-3.2-1b --device cuda --lengths 1024 8192 32768
+    kvstrata bench prefill --preset deepseek-v2-lite --device cuda --lengths 8192
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import torch
 from ..command import CommandParser, run_command
 from ..errors import ConfigError, ModelError
 from ..limits import check_device, check_fits
-from ..model import PRESETS, ForwardBatch, LlamaModel, ModelConfig, convert_hf_state
-from ..model.loader import weight_bytes
+from ..model import PRESETS, ForwardBatch, convert_hf_state
+from ..model.config import DecoderConfig
+from ..model.decoder import Decoder
+from ..model.loader import build_model, weight_bytes
 from ..ownership import page_span
 from ..tiers.pool import DevicePool
 
@@ -49,8 +52,8 @@ class Result:
 
 
 def build_models(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int
-) -> tuple[LlamaModel, torch.nn.Module]:
+    config: DecoderConfig, device: torch.device, dtype: torch.dtype, seed: int
+) -> tuple[Decoder, torch.nn.Module]:
     """A transformers model with seeded random weights, and ours holding the same weights."""
     import transformers
 
@@ -70,7 +73,7 @@ def build_models(
             "this benchmark needs transformers >= 4.50"
         )
     state = {name: t.detach() for name, t in hf_model.state_dict().items()}
-    ours = LlamaModel.from_state_dict(config, convert_hf_state(config, state))
+    ours = build_model(config, convert_hf_state(config, state))
     return ours, hf_model
 
 
