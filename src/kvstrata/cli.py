@@ -169,7 +169,8 @@ def _workload_flags(p: argparse.ArgumentParser, model_default: str) -> None:
     p.add_argument(
         "--model",
         default=model_default,
-        help="a preset (tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b), a Hugging Face "
+        help="a preset (tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b; MLA: tiny-mla, "
+        "tiny-moe, deepseek-v2-lite), a Hugging Face "
         "checkpoint directory (config.json + *.safetensors), or 'none' for cache-only replay "
         "with synthetic KV payloads",
     )
@@ -312,7 +313,8 @@ def _engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         "--cp-attention",
         choices=["auto", "move_kv", "move_queries"],
         default="auto",
-        help="how ranks get the keys other ranks own: move_kv (exchange K/V, bytes grow with "
+        help="how ranks get the keys other ranks own: move_kv (exchange K/V, or an MLA "
+        "model's latents, bytes grow with "
         "the context), move_queries (exchange queries and partial outputs, bytes grow with the "
         "extend), or auto (the cheaper per step by bytes moved)",
     )
@@ -654,7 +656,8 @@ def _check_model_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "model",
         help="a Hugging Face checkpoint directory (config.json + *.safetensors) or a preset "
-        "(tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b)",
+        "(tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b, tiny-mla, tiny-moe, "
+        "deepseek-v2-lite)",
     )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument(

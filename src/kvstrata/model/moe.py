@@ -6,8 +6,9 @@ are stacked the way transformers holds them in memory: ``experts.gate_up_proj`` 
 (gate rows, then up rows) and ``experts.down_proj`` ``[E, H, I]``; checkpoints store them per
 expert (``experts.{e}.gate_proj.weight`` ...), and the loader stacks them. Tokens are sorted by
 expert and run through one grouped matmul per projection (``torch.nn.functional.grouped_mm``; on
-CUDA that kernel takes bfloat16 only, so other dtypes there run one matmul per expert, which reads
-the expert counts back to the host once per layer).
+CUDA that kernel takes bfloat16 only, and it needs rows of a multiple of 16 bytes, so other dtypes
+there and odd widths anywhere run one matmul per expert, which reads the expert counts back to the
+host once per layer).
 """
 
 from __future__ import annotations
@@ -97,21 +98,41 @@ class Experts(nn.Module):
         # order (and the result) does not depend on the device's scheduling.
         unsorted = torch.empty_like(rows)
         unsorted[order] = rows
-        return unsorted.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)
+        return unsorted.view(num_tokens, k, x.shape[-1]).sum(dim=1).to(x.dtype)
 
     @staticmethod
     def _grouped(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``rows`` (sorted by expert, ``counts`` per expert) times each expert's ``weight.T``."""
-        if rows.device.type == "cpu" or rows.dtype == torch.bfloat16:
-            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
-        out = rows.new_empty((rows.shape[0], weight.shape[1]))
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            if count:
-                out[start : start + count] = rows[start : start + count] @ weight[expert].T
-                start += count
-        return out
+        if _grouped_mm_takes(rows, weight):
+            return grouped_matmul(rows, weight, counts)
+        return per_expert_matmul(rows, weight, counts)
+
+
+def _grouped_mm_takes(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``grouped_mm`` runs these operands: any dtype on the CPU, bfloat16 on CUDA, and
+    rows of both sides a multiple of 16 bytes."""
+    aligned = all(n * rows.element_size() % 16 == 0 for n in weight.shape[1:])
+    return aligned and (rows.device.type == "cpu" or rows.dtype == torch.bfloat16)
+
+
+def grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows ``[S, in]`` sorted by expert times ``weight[e].T`` (``weight`` ``[E, out, in]``) of
+    their expert, in one grouped matmul; no host sync."""
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+
+
+def per_expert_matmul(
+    rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """The same as :func:`grouped_matmul`, one matmul per expert that has rows."""
+    out = rows.new_empty((rows.shape[0], weight.shape[1]))
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            out[start : start + count] = rows[start : start + count] @ weight[expert].T
+            start += count
+    return out
 
 
 class MoE(nn.Module):
