@@ -273,7 +273,7 @@ def test_the_cache_holds_one_latent_per_token_and_layer(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["tiny-mla", "tiny-moe"])
-def test_absorbed_attention_equals_the_naive_form(name: str) -> None:
+def test_absorbed_attention_equals_the_expanded_form(name: str) -> None:
     """Over a cached prefix and a fresh request in one batch: the same logits and the same
     latent bytes in the pool, whether the up-projections are absorbed or K/V expanded."""
     config, model = load_model(name)
@@ -281,19 +281,41 @@ def test_absorbed_attention_equals_the_naive_form(name: str) -> None:
     ids, other = _ids(53, 1), _ids(9, 2)
     table, fresh = _tables([53, 9])
     out, pools = {}, {}
-    for absorbed in (True, False):
-        model.use_absorption(absorbed)
-        pool = pools[absorbed] = _pool(config)
+    for form in ("absorbed", "expanded"):
+        model.use_mla_form(form)
+        pool = pools[form] = _pool(config)
         model(ids[:20], ForwardBatch.build([0], [20], [table], PAGE), pool)
         batch = ForwardBatch.build([20, 0], [33, 9], [table, fresh], PAGE)
-        out[absorbed] = model(torch.cat([ids[20:], other]), batch, pool, logits="all")
-    model.use_absorption(True)
-    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=0)
+        out[form] = model(torch.cat([ids[20:], other]), batch, pool, logits="all")
+    model.use_mla_form("auto")
+    torch.testing.assert_close(out["absorbed"], out["expanded"], atol=1e-5, rtol=0)
     # Layer 0's latents are computed before any attention: bit for bit the same.
-    assert torch.equal(pools[True].buffer("kv_latent", 0), pools[False].buffer("kv_latent", 0))
+    a, b = pools["absorbed"], pools["expanded"]
+    assert torch.equal(a.buffer("kv_latent", 0), b.buffer("kv_latent", 0))
     for layer in range(1, config.num_layers):
-        a, b = pools[True].buffer("kv_latent", layer), pools[False].buffer("kv_latent", layer)
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            a.buffer("kv_latent", layer), b.buffer("kv_latent", layer), atol=1e-5, rtol=0
+        )
+
+
+def test_auto_form_expands_long_extends_and_absorbs_short_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tiny-mla (rank 64, nope 32, v 32): expanding a key costs 4096 multiply-adds per head,
+    absorbing costs 64 more per (query, key) pair, so a fresh 200-token prefill expands and 8
+    tokens over a 1000-token prefix attend the latent."""
+    from kvstrata.model.mla import MLAttention
+
+    config, model = load_model("tiny-mla")
+    seen: list[str] = []
+    real = MLAttention._form
+    monkeypatch.setattr(
+        MLAttention, "_form", lambda self, b: seen.append(real(self, b)) or seen[-1]
+    )
+    pool = _pool(config)
+    model(_ids(200, 0) % 512, ForwardBatch.build([0], [200], [torch.arange(13)], PAGE), pool)
+    model(_ids(8, 1), ForwardBatch.build([1000], [8], [torch.arange(64)], PAGE), pool)
+    assert seen == ["expanded"] * 2 + ["absorbed"] * 2
 
 
 def test_absorbed_attention_differs_when_a_latent_is_wrong() -> None:

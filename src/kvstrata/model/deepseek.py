@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..tiers.pool import DevicePool
 from .attention import ExchangeBytes, PagedAttention
 from .batch import ForwardBatch
 from .decoder import MLP, Decoder, RMSNorm
 from .deepseek_config import DeepseekConfig
-from .mla import MLAttention, mla_inv_freq
+from .mla import MLA_FORMS, MLAttention, mla_inv_freq
 from .moe import MoE
 
 
@@ -53,12 +54,15 @@ class DeepseekModel(Decoder):
         factor = 1.0 if config.rope_scaling is None else config.rope_scaling.rope_factor
         super().__init__(config, layers, mla_inv_freq(config), factor)
 
-    def use_absorption(self, absorbed: bool) -> DeepseekModel:
-        """Attend over the latent with the up-projections absorbed (the default), or expand it
-        into per-head keys and values first (the naive form: the tests' oracle); returns self."""
+    def use_mla_form(self, form: str) -> DeepseekModel:
+        """``absorbed``: attend over the latent with the up-projections absorbed; ``expanded``:
+        expand it into per-head keys and values first; ``auto`` (the default): per batch, the
+        cheaper (see :mod:`kvstrata.model.mla`); returns self."""
+        if form not in MLA_FORMS:
+            raise ConfigError(f"the MLA form must be one of {', '.join(MLA_FORMS)}, got {form!r}")
         for module in self.modules():
             if isinstance(module, MLAttention):
-                module.absorbed = absorbed
+                module.form = form
         return self
 
     def paged_attention(self, device: torch.device) -> PagedAttention:

@@ -11,11 +11,16 @@ all heads share. transformers expands the latent into per-head keys and values t
     absorbed    score  = (W_uk[h]^T q_nope | q_rope) . (c_t | k_rope_t)       one shared "KV head"
                 out[h] = W_uv[h] (sum_t p_t c_t)
 
-The absorbed form (what serving engines run) attends over the latent itself: the key
-up-projection moves into the query, the value up-projection after the attention, and the pages are
-read as they are (:meth:`~kvstrata.model.attention.PagedAttention.latent`, or the context-parallel
-exchange). :meth:`MLAttention.forward` runs it; ``absorbed=False`` runs the naive form, the oracle
-the tests hold it to.
+The absorbed form attends over the latent itself: the key up-projection moves into the query, the
+value up-projection after the attention, and the pages are read as they are
+(:meth:`~kvstrata.model.attention.PagedAttention.latent`, or the context-parallel exchange). It
+costs ``2 * rank + rope`` multiply-adds per head and (query, key) pair against the naive form's
+``nope + rope + v``, and saves expanding each key (``rank * (nope + v)`` per head). So, as serving
+engines do, ``form="auto"`` expands (the naive form, from the cached latents: the cache still holds
+nothing else) when a batch's (query, key) pairs make that cheaper -- long extends -- and attends
+the latent, absorbed, otherwise (short extends over long cached prefixes, and always under context
+parallelism, whose exchange moves latents). The tests hold each form to the other and both to
+transformers.
 
 RoPE: DeepSeek rotates adjacent pairs of dims (``rope_interleave``); the layer de-interleaves them
 first (evens, then odds) and rotates half-split, which is transformers' arithmetic exactly and keeps
@@ -25,6 +30,7 @@ first (evens, then odds) and rotates half-split, which is transformers' arithmet
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import nn
@@ -35,6 +41,9 @@ from .attention import PagedAttention, sdpa_causal
 from .batch import ForwardBatch
 from .decoder import PagedLayerAttention, RMSNorm, apply_rope
 from .deepseek_config import DeepseekConfig, YarnScaling
+
+MLAForm = Literal["auto", "absorbed", "expanded"]
+MLA_FORMS: tuple[MLAForm, ...] = ("auto", "absorbed", "expanded")
 
 #: transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not the
 #: config's rms_norm_eps.
@@ -100,7 +109,7 @@ class MLAttention(PagedLayerAttention):
             config.num_heads * config.v_head_dim, config.hidden_size, bias=False
         )
         self.payloads = ("kv_latent",)  # the pool payload its latent lives in
-        self.absorbed = True
+        self.form: MLAForm = "auto"
 
     def forward(
         self,
@@ -117,8 +126,8 @@ class MLAttention(PagedLayerAttention):
         (name,) = self.payloads
         rows = pool.token_view(name, self.layer)
         rows.index_copy_(0, batch.write_index, latent)
-        if not self.absorbed:
-            out = self._naive(q_nope, q_rope, latent, rows, batch)
+        if self._form(batch) == "expanded":
+            out = self._expanded(q_nope, q_rope, latent, rows, batch)
         else:
             w_uk, w_uv = self.up_projections()
             # [T, H, nope] x [H, nope, rank] -> [T, H, rank]: the key up-projection, absorbed.
@@ -151,20 +160,33 @@ class MLAttention(PagedLayerAttention):
         k_rope = self._rope(k_rope[:, None, :], cos, sin)[:, 0]
         return torch.cat((self.kv_a_layernorm(compressed), k_rope), dim=-1)
 
+    def _form(self, batch: ForwardBatch) -> MLAForm:
+        """``form``, with ``auto`` resolved for this batch by multiply-adds (see the module)."""
+        if self.form != "auto":
+            return self.form
+        if batch.cp is not None:
+            return "absorbed"
+        saved_per_pair = 2 * self.rank - self.nope_dim - self.v_dim
+        cost_per_key = self.rank * (self.nope_dim + self.v_dim)
+        lens = list(zip(batch.prefix_lens, batch.extend_lens, strict=True))
+        pairs = sum(e * p + e * (e + 1) // 2 for p, e in lens)
+        keys = sum(p + e for p, e in lens)
+        return "expanded" if pairs * saved_per_pair > keys * cost_per_key else "absorbed"
+
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_uk`` ``[H, nope, rank]`` and ``W_uv`` ``[H, v, rank]``: views of ``kv_b_proj``."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The naive form's per-head keys ``[S, H, nope + rope]`` and values ``[S, H, v]``."""
+        """The expanded form's per-head keys ``[S, H, nope + rope]`` and values ``[S, H, v]``."""
         compressed, k_rope = latent.split((self.rank, self.rope_dim), dim=-1)
         kv = self.kv_b_proj(compressed).view(-1, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, values = kv.split((self.nope_dim, self.v_dim), dim=-1)
         k_rope = k_rope[:, None, :].expand(-1, self.num_heads, -1)
         return torch.cat((k_nope, k_rope), dim=-1), values
 
-    def _naive(
+    def _expanded(
         self,
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
@@ -174,7 +196,9 @@ class MLAttention(PagedLayerAttention):
     ) -> torch.Tensor:
         """Per request: expand its latents to keys and values, then ordinary attention."""
         if batch.cp is not None:
-            raise ConfigError("the naive MLA form (the test oracle) does not run under CP")
+            raise ConfigError(
+                "the expanded MLA form does not run under CP: its exchange is latents"
+            )
         q = torch.cat((q_nope, q_rope), dim=-1)
         out = q.new_empty((q.shape[0], self.num_heads, self.v_dim))
         starts = batch.cu_seqlens_host
