@@ -309,9 +309,12 @@ def test_auto_form_expands_long_extends_and_absorbs_short_ones(
     config, model = load_model("tiny-mla")
     seen: list[str] = []
     real = MLAttention._form
-    monkeypatch.setattr(
-        MLAttention, "_form", lambda self, b: seen.append(real(self, b)) or seen[-1]
-    )
+
+    def recorded(self: MLAttention, batch: ForwardBatch) -> str:
+        seen.append(real(self, batch))
+        return seen[-1]
+
+    monkeypatch.setattr(MLAttention, "_form", recorded)
     pool = _pool(config)
     model(_ids(200, 0) % 512, ForwardBatch.build([0], [200], [torch.arange(13)], PAGE), pool)
     model(_ids(8, 1), ForwardBatch.build([1000], [8], [torch.arange(64)], PAGE), pool)
