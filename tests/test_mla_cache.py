@@ -300,3 +300,19 @@ def test_replay_at_cp2_verifies_with_digests_checked_every_step(
     assert set(summary["config"]["cp_attention_steps"]) == {strategy}
     verify = summary["verify"]
     assert verify["ok"] and verify["max_abs_logit_diff"] <= 1e-4
+
+
+def test_bench_gpu_ttft_reads_the_prefix_back_from_each_tier(tmp_path: Path) -> None:
+    """`kvstrata bench gpu --model deepseek-v2-lite --l3-dir DIR` on the GPU; here its TTFT
+    section on the CPU with tiny-mla: the prefix served from L1, L2 and the disk alone (the
+    section asserts where each hit came from)."""
+    import argparse
+
+    import numpy as np
+
+    from kvstrata.benchmarks.gpu import ttft
+
+    args = argparse.Namespace(prefix=128, suffix=16, device="cpu", repeats=1, l3_dir=tmp_path)
+    result = ttft(model_compute("tiny-mla"), args, np.random.default_rng(0))
+    assert result.l3_ms is not None and result.l3_ms > 0
+    assert result.copy_bytes == 128 // 16 * 16 * 2 * 80 * 4

@@ -27,6 +27,7 @@ from ..command import CommandParser, run_command
 from ..errors import ConfigError, ModelError
 from ..limits import check_device, check_fits
 from ..model import PRESETS, ForwardBatch, convert_hf_state
+from ..model.attention import ATTENTION_BACKENDS
 from ..model.config import DecoderConfig
 from ..model.decoder import Decoder
 from ..model.loader import build_model, weight_bytes
@@ -111,6 +112,8 @@ def run(args: argparse.Namespace) -> list[Result]:
     dtype = getattr(torch, args.dtype)
     config = PRESETS[args.preset]
     ours, hf_model = build_models(config, device, dtype, args.seed)
+    ours.use_attention(args.attention)
+    ours.paged_attention(device)  # refuse a backend the device cannot run before timing
     page_size = args.page_size
     max_pages = page_span(max(args.lengths), page_size)
     pool = DevicePool(
@@ -169,6 +172,12 @@ def build_parser() -> CommandParser:
         type=int,
         nargs="+",
         help="prompt lengths; default: 1024 on CPU, 1024 8192 32768 on CUDA",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=list(ATTENTION_BACKENDS),
+        default="auto",
+        help="our attention backend (auto: triton on CUDA, sdpa on the CPU)",
     )
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7, help="timed runs; the median is reported")
@@ -231,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset,
         "device": args.device,
         "dtype": args.dtype,
+        "attention": args.attention,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "repeats": args.repeats,
