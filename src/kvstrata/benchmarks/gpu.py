@@ -180,8 +180,11 @@ def ttft(
         device=args.device,
         l2_tokens=5 * n,
     )
-    if args.l3_dir is not None:  # every prefill spills: room for all of a run's, twice over
-        disk_bytes = 2 * (3 * args.repeats + 2) * n * compute.layout.page_bytes(1)
+    if args.l3_dir is not None:
+        # Every prefill spills; room for all of a run's (a fresh request and three suffixes a
+        # round, and the warm-up), with a margin below GC's high watermark.
+        spilled_tokens = (args.repeats + 1) * (n + 3 * args.suffix) + n
+        disk_bytes = 1.5 * spilled_tokens * compute.layout.page_bytes(1)
         config = dataclasses.replace(
             config, l3_dir=str(args.l3_dir), l3_gib=max(disk_bytes / GIB, 0.01)
         )
