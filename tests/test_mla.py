@@ -629,3 +629,105 @@ def test_a_moe_layer_takes_no_tokens() -> None:
     _, model = load_model("tiny-moe")
     moe = model.layers[1].mlp
     assert moe(torch.zeros(0, 128)).shape == (0, 128)
+
+
+# -- CUDA ----------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _latent_case(
+    seed: int, dtype: torch.dtype, rank: int, rope: int, heads: int
+) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Requests with long prefixes over shuffled page-16 slots on CUDA; the extend tokens'
+    latents written into the pages. Returns ``(batch, q, latent, pages)``."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [(0, 300), (1000, 77), (517, 260)]
+    pages_per = [-(-(p + e) // PAGE) for p, e in lens]
+    slots = torch.randperm(sum(pages_per) + 3, generator=gen)
+    tables = list(slots[: sum(pages_per)].split(pages_per))
+    batch = ForwardBatch.build([p for p, _ in lens], [e for _, e in lens], tables, PAGE, "cuda")
+    width = rank + rope
+    pages = torch.randn(slots.numel(), PAGE, width, generator=gen).to("cuda", dtype)
+    latent = torch.randn(batch.num_tokens, width, generator=gen).to("cuda", dtype)
+    pages.view(-1, width).index_copy_(0, batch.write_index, latent)
+    q = torch.randn(batch.num_tokens, heads, width, generator=gen).to("cuda", dtype)
+    return batch, q, latent, pages
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(
+    ("dtype", "rank", "rope"), [(torch.bfloat16, 512, 64), (torch.float32, 64, 16)]
+)
+def test_latent_kernel_matches_sdpa_on_cuda(dtype: torch.dtype, rank: int, rope: int) -> None:
+    """The compiled kernel on latent pages (DeepSeek-V2-Lite's 512 + 64 in bf16, 16 heads)
+    against the SDPA latent path, relative error within the dtype's tolerance."""
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    for seed in range(2):
+        batch, q, latent, pages = _latent_case(seed, dtype, rank, rope, heads=16)
+        scale = (128 + 64) ** -0.5
+        want = PagedAttention("sdpa").latent(q, latent, pages, batch, rank, scale).float()
+        got = PagedAttention("triton").latent(q, latent, pages, batch, rank, scale).float()
+        assert torch.isfinite(got).all()
+        err = float((got - want).norm() / want.norm())
+        assert err < tol, (seed, err)
+
+
+@pytest.mark.gpu
+@gpu
+def test_mla_engine_on_cuda_equals_uncached_recompute() -> None:
+    """tiny-moe in fp32 on CUDA (kernel for short extends, expanded K/V for long ones) through
+    the engine with L1 and L2 hits: the logits of a no-cache recompute within 1e-4."""
+    from kvstrata.engine import Engine, EngineConfig
+    from kvstrata.model.compute import ModelCompute
+    from kvstrata.replay import recompute_uncached
+    from kvstrata.workloads import builtin
+
+    _, model = load_model("tiny-moe", device="cuda", dtype="float32", seed=0)
+    assert model.paged_attention(torch.device("cuda")).backend == "triton"
+    compute = ModelCompute(model, torch.float32)
+    config = EngineConfig(
+        page_size=16, pool_tokens=1024, chunk_size=64, max_batch_tokens=256, device="cuda",
+        l2_tokens=8192,
+    )  # fmt: skip
+    engine = Engine(compute, config)
+    requests = builtin(compute.vocab_size, seed=3, n_requests=40)
+    engine.keep_logits = {r.rid for r in requests}
+    out = engine.run(requests)
+    hits = [r for r in requests if out[r.rid].cached_len > 0]
+    assert len(hits) >= 10 and any(out[r.rid].host_len for r in requests)
+    for r in hits:
+        fresh = recompute_uncached(compute, config, r)
+        got = out[r.rid].logits
+        assert got is not None and float((fresh - got).abs().max()) <= 1e-4, r.rid
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("extend", [8, 400], ids=["absorbed", "expanded"])
+def test_mla_forward_never_syncs_the_host_per_layer(
+    monkeypatch: pytest.MonkeyPatch, extend: int
+) -> None:
+    """With CUDA's sync debug mode set to error, a tiny-moe forward (bf16: the MoE layer's
+    grouped matmuls) over a cached prefix, in either MLA form, raises on any synchronising call;
+    only the input check is left out."""
+    _, model = load_model("tiny-moe", device="cuda", dtype="bfloat16", seed=0)
+    pool = DevicePool(model.config.kv_layout("bfloat16"), PAGE, 64, "cuda")
+    ids = torch.randint(0, 512, (200 + extend,), generator=torch.Generator().manual_seed(0))
+    table = torch.randperm(64, generator=torch.Generator().manual_seed(1))[
+        : -(-(200 + extend) // PAGE)
+    ]
+    first = ForwardBatch.build([0], [200], [table], PAGE, "cuda", input_ids=ids[:200])
+    assert first.input_ids is not None
+    model(first.input_ids, first, pool)
+    monkeypatch.setattr(model, "_check_inputs", lambda *args: None)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = ForwardBatch.build([200], [extend], [table], PAGE, "cuda", input_ids=ids[200:])
+        assert batch.input_ids is not None
+        logits = model(batch.input_ids, batch, pool)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(logits.float()).all()

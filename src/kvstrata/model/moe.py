@@ -89,7 +89,9 @@ class Experts(nn.Module):
         num_tokens, k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        # Rows per expert; not bincount, which reads its input's max back to the host on CUDA.
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
         rows = x[order // k]
         gate, up = self._grouped(rows, self.gate_up_proj, counts).chunk(2, dim=-1)
         rows = self._grouped(F.silu(gate) * up, self.down_proj, counts)
