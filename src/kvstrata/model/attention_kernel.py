@@ -67,7 +67,7 @@ class AttentionKernelConfig:
         """The default launch shape for ``dtype``; ``latent``: for an MLA latent (a 512-wide
         value tile, so fewer rows per program; not yet swept on a GPU)."""
         if latent:
-            return cls(32, 16, 4, 2, True) if dtype == torch.float32 else cls(64, 32, 8, 2, True)
+            return cls(32, 16, 4, 2, True) if dtype == torch.float32 else cls(32, 32, 8, 2, True)
         return cls(64, 32, 4, 2, True) if dtype == torch.float32 else cls()
 
 
