@@ -19,6 +19,7 @@ from ..config import KVLayout, PayloadSpec
 from ..errors import CheckpointError, ConfigError, UnsupportedArchitectureError
 from . import deepseek_config
 from .deepseek_config import MLA_PRESETS, DeepseekConfig
+from .deepseek_hf import deepseek_from_hf
 from .hf_fields import HFFields, is_number, positive_float, positive_int
 from .layout import model_layout
 
@@ -287,7 +288,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:
         if name in HF_ARCHITECTURES:
             return ModelConfig.from_hf(hf)
         if name in deepseek_config.HF_ARCHITECTURES:
-            return DeepseekConfig.from_hf(hf, deepseek_config.HF_ARCHITECTURES[name])
+            return deepseek_from_hf(hf, deepseek_config.HF_ARCHITECTURES[name])
     raise UnsupportedArchitectureError(
         f"config.json declares architectures {declared}; kvstrata runs "
         f"{', '.join([*HF_ARCHITECTURES, *deepseek_config.HF_ARCHITECTURES])}"
