@@ -19,8 +19,8 @@ import torch
 from .errors import ConfigError, ModelError
 from .limits import check_device, check_fits
 from .model.batch import ForwardBatch
-from .model.config import PRESETS, ModelConfig
-from .model.llama import LlamaModel
+from .model.config import PRESETS, DecoderConfig
+from .model.decoder import Decoder
 from .model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .ownership import page_span
 from .tiers.pool import DevicePool
@@ -60,9 +60,7 @@ class CheckReport:
         )
 
 
-def _our_logits(
-    model: LlamaModel, tokens: torch.Tensor, page_size: int, split: int
-) -> torch.Tensor:
+def _our_logits(model: Decoder, tokens: torch.Tensor, page_size: int, split: int) -> torch.Tensor:
     """All-token logits, computed as two forwards: ``[0, split)`` then the rest reading it back."""
     config = model.config
     dtype = next(model.parameters()).dtype
@@ -199,7 +197,7 @@ def _compare(
     )
 
 
-def _write_preset_checkpoint(config: ModelConfig, path: Path, seed: int) -> None:
+def _write_preset_checkpoint(config: DecoderConfig, path: Path, seed: int) -> None:
     """Save a randomly initialised transformers model of ``config`` as a checkpoint."""
     import transformers
 

@@ -19,7 +19,7 @@ from .config import KVLayout, PayloadSpec
 from .errors import ConfigError, HandoffError
 from .handoff import AssembledKV
 from .model.batch import ForwardBatch
-from .model.llama import LlamaModel
+from .model.decoder import Decoder
 from .ownership import page_span
 from .tiers.pool import DevicePool
 
@@ -42,16 +42,16 @@ class Decoded:
 
 def greedy_decode(
     kv: AssembledKV,
-    target: LlamaModel,
+    target: Decoder,
     first_logits: torch.Tensor,
     num_tokens: int,
-    draft: LlamaModel | None = None,
+    draft: Decoder | None = None,
     draft_first_logits: torch.Tensor | None = None,
 ) -> Decoded:
     """Decode ``num_tokens`` greedy tokens after the prompt whose KV is ``kv``.
 
     ``first_logits`` are the prefill's last-token logits (they give the first token); with a
-    ``draft`` (its K/V under the ``draft_`` payloads, :meth:`LlamaModel.use_payloads`), also the
+    ``draft`` (its KV under the ``draft_`` payloads, :meth:`Decoder.use_payloads`), also the
     draft's, ``draft_first_logits``.
     """
     if num_tokens < 1:

@@ -1,6 +1,7 @@
 """End-to-end GPU figures in one run (``kvstrata bench gpu``, CUDA only; docs/benchmarks.md).
 
-One model (the ``llama-3.2-1b`` preset, random weights, bf16) serves every section:
+One model (``--model``: the ``llama-3.2-1b`` preset by default, or e.g. ``deepseek-v2-lite``, an
+MLA model whose cache holds its latent; random weights, bf16) serves every section:
 
 1. **ceilings** measured here: a bf16 8192^3 matmul (TFLOP/s), and a 1 GiB pinned host <-> device
    copy each way (GB/s);
@@ -10,7 +11,8 @@ One model (the ``llama-3.2-1b`` preset, random weights, bf16) serves every secti
 3. **replay**: the first ``--limit`` requests of ``--trace`` through the engine (no L2), per
    ``--attention`` backend; target: >= 0.9x the bare model's tokens/s at the mean length;
 4. **TTFT** (for each ``--copy-programs`` cap of the copy kernel, and its default): one request of a ``--prefix``-token prefix plus ``--suffix`` new tokens with the prefix
-   in L2 (loaded back layer by layer), in L1, and not cached (full recompute), medians of
+   in L2 (loaded back layer by layer), in L1, and not cached (full recompute), and with
+   ``--l3-dir`` also on the disk tier only (read, verified, then loaded back), medians of
    ``--repeats``; targets: L2 <= 1.5x L1, recompute >= 7x L2. Also the load-back copy alone
    (device time of the same pages' H2D copy on its stream) against the pinned ceiling;
 5. **write-through**: fresh ``--wt-tokens`` prefills with L2 write-through on and with no L2,
@@ -23,6 +25,7 @@ write-through prefill and one long-prefix chunk there. Output: the tables, then 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -43,10 +46,11 @@ from ..limits import check_device
 from ..model.attention import ATTENTION_BACKENDS
 from ..model.batch import ForwardBatch
 from ..model.compute import ModelCompute
-from ..model.llama import LlamaModel
-from ..model.loader import load_model
+from ..model.decoder import Decoder
+from ..model.loader import load_model, read_model_config
 from ..ownership import page_span
 from ..replay import ReplayConfig, ReplaySummary, run_replay
+from ..residency import Tier
 from ..tiers.pool import DevicePool
 from ..tiers.transfer import Transfer
 from ..tiers.transfer_kernel import KernelConfig
@@ -90,7 +94,7 @@ def ceilings(device: torch.device) -> dict[str, float]:
     }
 
 
-def bare_seconds(model: LlamaModel, pool: DevicePool, tokens: torch.Tensor) -> float:
+def bare_seconds(model: Decoder, pool: DevicePool, tokens: torch.Tensor) -> float:
     """Wall seconds of one uncached prefill of ``tokens`` (device drained before and after)."""
     n = tokens.numel()
     table = torch.arange(page_span(n, PAGE))
@@ -115,6 +119,7 @@ class TTFT:
     copy_ms: float
     copy_gbps: float
     copy_bytes: int
+    l3_ms: float | None = None  # with --l3-dir: the prefix on the disk tier only
 
 
 class _Server:
@@ -150,6 +155,19 @@ class _Server:
         engine = self.engine
         engine.cache.allocator.free(engine.cache.tree.evict(engine.cache.allocator.num_pages))
 
+    def demote_l2(self) -> None:
+        """Evict every L2 page (after :meth:`demote_l1`), once the spills in flight landed:
+        what was spilled is on disk only."""
+        engine = self.engine
+        assert engine.cache.host_allocator is not None and engine.cache.disk is not None
+        for _ in range(100):  # a commit at one drain starts spills the next one settles
+            if not engine.cache.disk.host_locks:
+                break
+            engine.drain()
+        engine.cache.host_allocator.free(
+            engine.cache.tree.evict(engine.cache.host_allocator.num_pages, Tier.L2)
+        )
+
 
 def ttft(
     compute: ModelCompute,
@@ -157,7 +175,6 @@ def ttft(
     rng: np.random.Generator,
     copy: KernelConfig | None = None,
 ) -> TTFT:
-    vocab = compute.vocab_size
     n = args.prefix + args.suffix
     # Room for the prefix and a few rounds (a fresh request and two suffixes each); LRU eviction
     # takes older fresh requests first, the prefix is used every round.
@@ -169,14 +186,32 @@ def ttft(
         device=args.device,
         l2_tokens=5 * n,
     )
+    if args.l3_dir is not None:
+        # Every prefill spills; room for all of a run's (a fresh request and three suffixes a
+        # round, and the warm-up), with a margin below GC's high watermark.
+        spilled_tokens = (args.repeats + 1) * (n + 3 * args.suffix) + n
+        disk_bytes = 1.5 * spilled_tokens * compute.layout.page_bytes(1)
+        config = dataclasses.replace(
+            config, l3_dir=str(args.l3_dir), l3_gib=max(disk_bytes / GIB, 0.01)
+        )
     server = _Server(compute, config, copy)
+    try:
+        return _ttft_rounds(server, args, rng, copy)
+    finally:
+        server.engine.close()
+
+
+def _ttft_rounds(
+    server: _Server, args: argparse.Namespace, rng: np.random.Generator, copy: KernelConfig | None
+) -> TTFT:
+    vocab = server.engine.compute.vocab_size
     prefix = rng.integers(0, vocab, args.prefix)
 
     def with_suffix(head: np.ndarray) -> np.ndarray:
         return np.concatenate([head, rng.integers(0, vocab, args.suffix)])
 
-    server.serve(with_suffix(prefix))  # warm-up; the prefix is now in L1 and L2
-    l1, l2, full = [], [], []
+    server.serve(with_suffix(prefix))  # warm-up; the prefix is now in L1 and L2 (and L3)
+    l1, l2, l3, full = [], [], [], []
     for _ in range(args.repeats):
         f = server.serve(with_suffix(rng.integers(0, vocab, args.prefix)))
         assert f.cached_len == 0, f
@@ -188,6 +223,14 @@ def ttft(
         f = server.serve(with_suffix(prefix))
         assert f.cached_len == args.prefix and f.host_len == args.prefix, f
         l2.append(f.ttft_s)
+        if args.l3_dir is not None:
+            server.demote_l1()
+            server.demote_l2()
+            before = server.engine.hit_tokens[Tier.L3]
+            f = server.serve(with_suffix(prefix))
+            from_disk = server.engine.hit_tokens[Tier.L3] - before
+            assert f.cached_len == args.prefix and from_disk == args.prefix, (f, from_disk)
+            l3.append(f.ttft_s)
     copy_ms, copy_bytes = _copy_alone(server.engine, args.prefix // PAGE, copy)
     ms = 1000 * statistics.median(l1), 1000 * statistics.median(l2)
     return TTFT(
@@ -197,6 +240,7 @@ def ttft(
         copy_ms=copy_ms,
         copy_gbps=copy_bytes / copy_ms / 1e6,
         copy_bytes=copy_bytes,
+        l3_ms=1000 * statistics.median(l3) if l3 else None,
     )
 
 
@@ -323,6 +367,12 @@ def build_parser() -> CommandParser:
     )
     p.add_argument("--device", default="cuda")
     p.add_argument(
+        "--model",
+        default="llama-3.2-1b",
+        help="the model of every section: a preset (e.g. deepseek-v2-lite, an MLA model that "
+        "caches its latent) or a checkpoint directory",
+    )
+    p.add_argument(
         "--trace",
         required=True,
         help="Mooncake conversation trace (JSONL), e.g. conversation_trace.jsonl",
@@ -348,6 +398,14 @@ def build_parser() -> CommandParser:
     p.add_argument("--verify", type=int, default=4, help="replay: requests recomputed and compared")
     p.add_argument("--prefix", type=int, default=32768, help="TTFT: cached prefix, tokens")
     p.add_argument("--suffix", type=int, default=1024, help="TTFT: new tokens after it")
+    p.add_argument(
+        "--l3-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="TTFT: also with the prefix on the disk tier only; its slabs and index go in DIR "
+        "(put it on the disk to measure)",
+    )
     p.add_argument("--wt-tokens", type=int, default=32768, help="write-through: prefill tokens")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (medians)")
     p.add_argument("--no-solo", action="store_true", help="skip prefilling every request alone")
@@ -385,6 +443,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--seed must lie in [0, 2**63), got {args.seed}")
     if not Path(args.trace).is_file():
         raise ConfigError(f"--trace {args.trace!r} is not a file")
+    read_model_config(args.model)  # a preset or a checkpoint directory, else one clear error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"{PROG} measures the GPU path; run it with --device cuda")
     ceiling = ceilings(device)
     _release()
-    _, model = load_model("llama-3.2-1b", device=device, dtype="bfloat16", seed=args.seed)
+    _, model = load_model(args.model, device=device, dtype="bfloat16", seed=args.seed)
     result = measure(args, device, model, ceiling)
     print(_table(result, args))
     print(json.dumps(result, default=float))
@@ -403,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(
-    args: argparse.Namespace, device: torch.device, model: LlamaModel, ceiling: dict[str, float]
+    args: argparse.Namespace, device: torch.device, model: Decoder, ceiling: dict[str, float]
 ) -> dict[str, Any]:
     """Every section but the ceilings, with ``model``; the JSON summary as a dict."""
     rng = np.random.default_rng(args.seed)
@@ -413,6 +472,7 @@ def measure(
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "driver": _driver(),
+        "model": args.model,
         "ceilings": ceiling,
     }
     t0 = time.perf_counter()
@@ -499,7 +559,7 @@ def _replay(compute: ModelCompute, args: argparse.Namespace, backend: str) -> Re
     cfg = ReplayConfig(
         workload=args.trace,
         limit=args.limit,
-        model="llama-3.2-1b",
+        model=args.model,
         engine=EngineConfig(
             page_size=PAGE,
             pool_tokens=args.l1_tokens,
@@ -531,7 +591,8 @@ def _targets(r: dict[str, Any]) -> dict[str, bool]:
 def _table(r: dict[str, Any], args: argparse.Namespace) -> str:
     c = r["ceilings"]
     lines = [
-        f"{r['device']}, torch {r['torch']} (CUDA {r['cuda']}), driver {r['driver']}",
+        f"{r['model']} on {r['device']}, torch {r['torch']} (CUDA {r['cuda']}), driver "
+        f"{r['driver']}",
         f"ceilings: bf16 matmul {c['matmul_tflops']:.0f} TFLOP/s, pinned H2D "
         f"{c['h2d_gbps']:.1f} GB/s, D2H {c['d2h_gbps']:.1f} GB/s",
         "",
@@ -560,6 +621,8 @@ def _table(r: dict[str, Any], args: argparse.Namespace) -> str:
         t = r["ttft"]
         row(f"TTFT {args.prefix} in L1 + {args.suffix} new, ms", f"{t['l1_ms']:.1f}")
         row(f"TTFT {args.prefix} in L2 + {args.suffix} new, ms", f"{t['l2_ms']:.1f}")
+        if t.get("l3_ms") is not None:
+            row(f"TTFT {args.prefix} in L3 + {args.suffix} new, ms", f"{t['l3_ms']:.1f}")
         row("TTFT full recompute, ms", f"{t['recompute_ms']:.1f}")
         row("  L2 / L1", f"{t['l2_over_l1']:.2f}", "<= 1.5")
         row("  recompute / L2", f"{t['recompute_over_l2']:.1f}", ">= 7")

@@ -1,12 +1,13 @@
 """Prefill throughput of kvstrata's model against transformers, on the same weights and inputs.
 
-Both sides compute what an uncached prefill needs: every layer's K/V (ours into the paged pool,
-transformers into its cache) and the logits of the last token only. The transformers model uses
-``attn_implementation="sdpa"`` and ``logits_to_keep=1``. Output: a table, then one JSON object on the
-last line.
+Both sides compute what an uncached prefill needs: every layer's KV (ours into the paged pool,
+transformers into its cache; for an MLA preset, the latent) and the logits of the last token only.
+The transformers model uses ``attn_implementation="sdpa"`` and ``logits_to_keep=1``. Output: a
+table, then one JSON object on the last line.
 
     kvstrata bench prefill --device cpu        # preset small, float32, 1024 tokens
     kvstrata bench prefill --preset llama-3.2-1b --device cuda --lengths 1024 8192 32768
+    kvstrata bench prefill --preset deepseek-v2-lite --device cuda --lengths 8192
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ import torch
 from ..command import CommandParser, run_command
 from ..errors import ConfigError, ModelError
 from ..limits import check_device, check_fits
-from ..model import PRESETS, ForwardBatch, LlamaModel, ModelConfig, convert_hf_state
-from ..model.loader import weight_bytes
+from ..model import PRESETS, ForwardBatch, convert_hf_state
+from ..model.attention import ATTENTION_BACKENDS
+from ..model.config import DecoderConfig
+from ..model.decoder import Decoder
+from ..model.loader import build_model, weight_bytes
 from ..ownership import page_span
 from ..tiers.pool import DevicePool
 
@@ -49,8 +53,8 @@ class Result:
 
 
 def build_models(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int
-) -> tuple[LlamaModel, torch.nn.Module]:
+    config: DecoderConfig, device: torch.device, dtype: torch.dtype, seed: int
+) -> tuple[Decoder, torch.nn.Module]:
     """A transformers model with seeded random weights, and ours holding the same weights."""
     import transformers
 
@@ -70,7 +74,7 @@ def build_models(
             "this benchmark needs transformers >= 4.50"
         )
     state = {name: t.detach() for name, t in hf_model.state_dict().items()}
-    ours = LlamaModel.from_state_dict(config, convert_hf_state(config, state))
+    ours = build_model(config, convert_hf_state(config, state))
     return ours, hf_model
 
 
@@ -108,6 +112,8 @@ def run(args: argparse.Namespace) -> list[Result]:
     dtype = getattr(torch, args.dtype)
     config = PRESETS[args.preset]
     ours, hf_model = build_models(config, device, dtype, args.seed)
+    ours.use_attention(args.attention)
+    ours.paged_attention(device)  # refuse a backend the device cannot run before timing
     page_size = args.page_size
     max_pages = page_span(max(args.lengths), page_size)
     pool = DevicePool(
@@ -166,6 +172,12 @@ def build_parser() -> CommandParser:
         type=int,
         nargs="+",
         help="prompt lengths; default: 1024 on CPU, 1024 8192 32768 on CUDA",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=list(ATTENTION_BACKENDS),
+        default="auto",
+        help="our attention backend (auto: triton on CUDA, sdpa on the CPU)",
     )
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7, help="timed runs; the median is reported")
@@ -228,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset,
         "device": args.device,
         "dtype": args.dtype,
+        "attention": args.attention,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "repeats": args.repeats,

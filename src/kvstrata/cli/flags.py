@@ -38,7 +38,8 @@ def workload_flags(p: argparse.ArgumentParser, model_default: str) -> None:
     p.add_argument(
         "--model",
         default=model_default,
-        help="a preset (tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b), a Hugging Face "
+        help="a preset (tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b; MLA: tiny-mla, "
+        "tiny-moe, deepseek-v2-lite), a Hugging Face "
         "checkpoint directory (config.json + *.safetensors), or 'none' for cache-only replay "
         "with synthetic KV payloads",
     )
@@ -193,7 +194,8 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         "--cp-attention",
         choices=["auto", "move_kv", "move_queries"],
         default=EngineConfig.cp_attention,
-        help="how ranks get the keys other ranks own: move_kv (exchange K/V, bytes grow with "
+        help="how ranks get the keys other ranks own: move_kv (exchange K/V, or an MLA "
+        "model's latents, bytes grow with "
         "the context), move_queries (exchange queries and partial outputs, bytes grow with the "
         "extend), or auto (the cheaper per step by bytes moved)",
     )

@@ -57,7 +57,8 @@ def check_model_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "model",
         help="a Hugging Face checkpoint directory (config.json + *.safetensors) or a preset "
-        "(tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b)",
+        "(tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b, tiny-mla, tiny-moe, "
+        "deepseek-v2-lite)",
     )
     p.add_argument(
         "--device", default=CHECK_DEFAULTS["device"], help="torch device, e.g. cpu or cuda"

@@ -4,10 +4,12 @@ Page ``p`` of every sequence is owned by rank ``p % cp_size``: the owner compute
 tokens, writes their K/V into its own slots, and is the only rank that stores them. Per layer a
 rank's queries need K/V that other ranks hold; two exact strategies get it there::
 
-    move KV        every rank fills the rows it owns of a dense [sequence, heads, dim] K/V buffer
-                   per request (zeros elsewhere); one SUM all-reduce gives every rank the whole
+    move KV        every rank fills the rows it owns of a dense [sequence, payloads] buffer per
+                   request (zeros elsewhere); one SUM all-reduce gives every rank the whole
                    K/V (x + 0 is exact, so it is the owners' bytes); ordinary causal attention.
-                   Bytes per layer grow with the context.
+                   Bytes per layer grow with the context. An MLA model's payload is its
+                   latent (576 values a token for DeepSeek-V2/V3 shapes), so it moves latents,
+                   never K/V.
     move queries   every rank fills its rows of the step's query buffer; one SUM all-reduce gives
                    all queries to all ranks; each rank attends them against the K/V it owns only
                    and returns partial outputs with their log-sum-exp; the partials merge exactly:
@@ -20,6 +22,8 @@ collectives live. :func:`attention_bytes` is the cost model the engine uses to p
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,24 +32,29 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from ..model.attention import ExchangeBytes
 from .group import Group
 
 IntArray = npt.NDArray[np.int64]
+#: Token rows of a layer's payloads -> (keys ``[S, Hkv, D]``, values ``[S, Hkv, Dv]``).
+_Split = Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, torch.Tensor]]
 STRATEGIES = ("auto", "move_kv", "move_queries")
 QUERY_BLOCK = 512  # queries per partial-attention block under move_queries
 
 
 def attention_bytes(
-    prefix_lens: list[int], extend_lens: list[int], kv_token_bytes: int, q_token_bytes: int
+    prefix_lens: list[int], extend_lens: list[int], exchange: ExchangeBytes
 ) -> dict[str, int]:
     """Bytes each rank puts into one layer's exchange, per strategy (the engine's cost model).
 
-    move_kv reduces K and V over every request's whole sequence; move_queries reduces the
-    queries, then the partial outputs (same size as the queries) and their log-sum-exps.
+    move_kv reduces the cached payloads (K and V, or an MLA latent) over every request's whole
+    sequence; move_queries reduces the queries, then the partial outputs and their log-sum-exps,
+    over the extend tokens. ``exchange`` is the model's per-token sizes
+    (:meth:`~kvstrata.model.decoder.Decoder.exchange_bytes`).
     """
     seq = sum(p + e for p, e in zip(prefix_lens, extend_lens, strict=True))
     ext = sum(extend_lens)
-    return {"move_kv": seq * kv_token_bytes, "move_queries": ext * (2 * q_token_bytes + 8)}
+    return {"move_kv": seq * exchange.kv, "move_queries": ext * (exchange.queries + exchange.partials)}
 
 
 @dataclass
@@ -92,32 +101,66 @@ class CPStep:
     ) -> torch.Tensor:
         """Attention output for this rank's query tokens ``q`` (``[T_mine, Hq, D]``); ``k``/``v``
         are their fresh keys and values, ``k_rows``/``v_rows`` this rank's pool rows."""
-        if self.strategy == "move_kv":
-            return self._move_kv(q, k, v, k_rows, v_rows)
-        return self._move_queries(q, k, v, k_rows, v_rows)
+        return self._attend(q, (k, v), (k_rows, v_rows), _key_value, None)
 
-    def _dense_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        total = self.seq_offsets[-1]
-        kv = torch.zeros((2, total, *k.shape[1:]), dtype=k.dtype, device=k.device)
-        kv[0, self.my_prefix_dense] = k_rows[self.my_prefix_rows]
-        kv[1, self.my_prefix_dense] = v_rows[self.my_prefix_rows]
-        kv[0, self.my_ext_dense] = k
-        kv[1, self.my_ext_dense] = v
-        self.group.all_reduce(kv, "sum", "attention")
-        return kv[0], kv[1]
-
-    def _move_kv(
+    def attend_latent(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_rows: torch.Tensor,
-        v_rows: torch.Tensor,
+        latent: torch.Tensor,
+        latent_rows: torch.Tensor,
+        value_dim: int,
+        scale: float,
     ) -> torch.Tensor:
-        keys, values = self._dense_kv(k, v, k_rows, v_rows)
-        out = torch.empty_like(q)
+        """MLA attention output (``[T_mine, H, value_dim]``) for this rank's absorbed queries
+        ``q`` (``[T_mine, H, D]``): keys are latents (``D`` dims, one head shared by all),
+        values their first ``value_dim`` dims. ``latent`` holds the fresh tokens' latents,
+        ``latent_rows`` this rank's pool rows. Only latents are exchanged, never K/V."""
+
+        def split(payloads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+            (rows,) = payloads
+            return rows[:, None, :], rows[:, None, :value_dim]
+
+        return self._attend(q, (latent,), (latent_rows,), split, scale)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        fresh: tuple[torch.Tensor, ...],
+        rows: tuple[torch.Tensor, ...],
+        split: _Split,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """``fresh``: this rank's extend tokens' payloads; ``rows``: its pool rows of the same
+        payloads; ``split`` turns token rows of the payloads into (keys, values)."""
+        if self.strategy == "move_kv":
+            keys, values = split(self._dense(fresh, rows))
+            return self._move_kv(q, keys, values, scale)
+        return self._move_queries(q, fresh, rows, split, scale)
+
+    def _dense(
+        self, fresh: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        """Every request's whole sequence of every payload, on every rank: each rank fills the
+        rows it owns of one ``[sequence tokens, all payloads' values]`` buffer, zeros elsewhere,
+        and one SUM all-reduce adds them up (x + 0 is exact: the owners' bytes)."""
+        total = self.seq_offsets[-1]
+        widths = [math.prod(t.shape[1:]) for t in fresh]
+        ref = fresh[0]
+        dense = torch.zeros((total, sum(widths)), dtype=ref.dtype, device=ref.device)
+        start = 0
+        for payload, pool_rows, width in zip(fresh, rows, widths, strict=True):
+            cols = slice(start, start + width)
+            dense[self.my_prefix_dense, cols] = pool_rows[self.my_prefix_rows].reshape(-1, width)
+            dense[self.my_ext_dense, cols] = payload.reshape(-1, width)
+            start += width
+        self.group.all_reduce(dense, "sum", "attention")
+        parts = dense.split(widths, dim=1)
+        return tuple(p.view(total, *t.shape[1:]) for p, t in zip(parts, fresh, strict=True))
+
+    def _move_kv(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        out = q.new_empty((*q.shape[:2], values.shape[-1]))
         my_pos = self.all_positions[self.mine]
         my_req = self.my_ext_request
         for i in range(self.num_requests):
@@ -127,23 +170,23 @@ class CPStep:
             lo, hi = self.seq_offsets[i], self.seq_offsets[i + 1]
             key_pos = torch.arange(hi - lo, device=q.device)
             mask = key_pos[None, :] <= my_pos[sel][:, None]
-            out[sel] = _sdpa(q[sel], keys[lo:hi], values[lo:hi], mask)
+            out[sel] = _sdpa(q[sel], keys[lo:hi], values[lo:hi], mask, scale)
         return out
 
     def _move_queries(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_rows: torch.Tensor,
-        v_rows: torch.Tensor,
+        fresh: tuple[torch.Tensor, ...],
+        rows: tuple[torch.Tensor, ...],
+        split: _Split,
+        scale: float | None,
     ) -> torch.Tensor:
         num_all = self.all_tokens.numel()
         queries = torch.zeros((num_all, *q.shape[1:]), dtype=q.dtype, device=q.device)
         queries[self.mine] = q
         self.group.all_reduce(queries, "sum", "attention")
-        heads = q.shape[1]
-        out = torch.zeros((num_all, heads, q.shape[2]), dtype=torch.float32, device=q.device)
+        heads, value_dim = q.shape[1], split(fresh)[1].shape[-1]
+        out = torch.zeros((num_all, heads, value_dim), dtype=torch.float32, device=q.device)
         lse = torch.full((num_all, heads), float("-inf"), dtype=torch.float32, device=q.device)
         ext_req_of_mine = self.my_ext_request
         for i in range(self.num_requests):
@@ -152,15 +195,18 @@ class CPStep:
                 continue
             pre = torch.nonzero(self.my_prefix_request == i).flatten()
             ext = torch.nonzero(ext_req_of_mine == i).flatten()
-            keys = torch.cat([k_rows[self.my_prefix_rows[pre]], k[ext]])
-            values = torch.cat([v_rows[self.my_prefix_rows[pre]], v[ext]])
+            owned = tuple(
+                torch.cat([pool_rows[self.my_prefix_rows[pre]], payload[ext]])
+                for payload, pool_rows in zip(fresh, rows, strict=True)
+            )
+            keys, values = split(owned)
             if keys.shape[0] == 0:
                 continue
             key_pos = torch.cat([self.my_prefix_positions[pre], self.all_positions[self.mine][ext]])
             for a in range(lo, hi, QUERY_BLOCK):  # bounds the [heads, block, keys] scores
                 b = min(a + QUERY_BLOCK, hi)
                 mask = key_pos[None, :] <= self.all_positions[a:b][:, None]
-                out[a:b], lse[a:b] = _partial(queries[a:b], keys, values, mask)
+                out[a:b], lse[a:b] = _partial(queries[a:b], keys, values, mask, scale)
         # Exact merge: out = sum_r w_r out_r / sum_r w_r with w_r = exp(lse_r - max_r lse_r).
         top = lse.clone()
         self.group.all_reduce(top, "max", "attention")
@@ -188,27 +234,37 @@ class CPStep:
         return values
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[L, Hq, D]`` attention of ``q`` over ``k``/``v`` (``[S, Hkv, D]``) under a boolean mask."""
+def _key_value(payloads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = payloads
+    return k, v
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """``[L, Hq, Dv]`` attention of ``q`` over ``k`` (``[S, Hkv, D]``) and ``v`` (``[S, Hkv,
+    Dv]``) under a boolean mask."""
     gqa = q.shape[1] != k.shape[1]
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=gqa, scale=scale)
     return out[0].transpose(0, 1)
 
 
 def _partial(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked attention of ``q`` over a subset of the keys, with its log-sum-exp (fp32)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scale = q.shape[-1] ** -0.5
-    scores = torch.einsum("lhd,shd->hls", q.float(), k.float()) * scale
+    """Masked attention of ``q`` over a subset of the keys, with its log-sum-exp (fp32). The
+    query heads that share a KV head are one einsum axis: no KV head is repeated."""
+    length, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    scale = dim**-0.5 if scale is None else scale
+    grouped = q.float().view(length, kv_heads, heads // kv_heads, dim)
+    scores = torch.einsum("lkgd,skd->kgls", grouped, k.float()).reshape(heads, length, -1) * scale
     scores = scores.masked_fill(~mask[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, L]
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("hls,shd->lhd", probs, v.float())
+    probs = probs.view(kv_heads, heads // kv_heads, length, -1)
+    out = torch.einsum("kgls,skd->lkgd", probs, v.float()).reshape(length, heads, -1)
     return out, lse.transpose(0, 1)
 
 

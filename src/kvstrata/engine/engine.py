@@ -382,8 +382,7 @@ class Engine:
         extend = [e for _, e in chosen]
         strategy = self.config.cp_attention
         if strategy == "auto":
-            kv_bytes = sum(p.token_bytes for p in self.compute.layout.payloads)
-            cost = attention_bytes(prefix, extend, kv_bytes, 2 * kv_bytes)
+            cost = attention_bytes(prefix, extend, self.compute.exchange)
             strategy = min(cost, key=lambda name: cost[name])
         self.strategy_steps[strategy] = self.strategy_steps.get(strategy, 0) + 1
         batch, input_ids = build_cp_batch(

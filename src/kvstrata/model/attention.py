@@ -22,6 +22,13 @@ Backends (``--attention``):
   path and the oracle the kernel is tested against (tests/test_attention.py).
 * ``auto``: ``triton`` on CUDA, ``sdpa`` on the CPU.
 
+An MLA model attends over its cached latent with :meth:`PagedAttention.latent`: one "KV head" of
+``kv_lora_rank + qk_rope_head_dim`` dims shared by every query head (the queries carry the absorbed
+key up-projection), whose first ``kv_lora_rank`` dims are also the values. Both backends read the
+latent payload alone, never an expanded K/V: ``sdpa`` gathers a request's latent rows (and slices
+the values out of them), ``triton`` reads keys and values from the same latent pages in place, for
+every request (flash cannot tile a 576-dim head).
+
 There is no silent fallback: ``triton`` (or ``auto`` on CUDA) without Triton, on a CPU pool, or for a
 head size the kernel cannot tile raises :class:`~kvstrata.errors.ConfigError` naming ``--attention
 sdpa``.
@@ -30,7 +37,7 @@ sdpa``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +51,29 @@ from .batch import ForwardBatch
 
 AttentionBackend = Literal["auto", "triton", "sdpa"]
 ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "triton", "sdpa")
+
+
+class ExchangeBytes(NamedTuple):
+    """Bytes one layer's attention puts into the context-parallel exchange per token (the cost
+    model ``--cp-attention auto`` picks a strategy by; see :mod:`kvstrata.dist.attention`).
+
+    kv: move_kv, per token of every request's whole sequence (its cached payloads);
+    queries: move_queries, per extend token, the queries;
+    partials: move_queries, per extend token, the partial outputs, their merge weights and
+    log-sum-exps.
+    """
+
+    kv: int
+    queries: int
+    partials: int
+
+    def plus(self, other: ExchangeBytes) -> ExchangeBytes:
+        """Both exchanges (a target and its draft, layer by layer)."""
+        return ExchangeBytes(*(a + b for a, b in zip(self, other, strict=True)))
+
+
+def _tileable(dim: int) -> bool:
+    return dim >= 16 and not dim & (dim - 1)
 
 
 @dataclass(frozen=True)
@@ -60,9 +90,11 @@ class PagedAttention:
         device: torch.device,
         head_dim: int,
         kernel: AttentionKernelConfig | None = None,
+        rope_dim: int = 0,
     ) -> PagedAttention:
         """Resolve ``backend`` (``auto``, ``triton`` or ``sdpa``) for a pool on ``device``, or
-        raise :class:`ConfigError` saying what to change."""
+        raise :class:`ConfigError` saying what to change. An MLA model passes its latent's two
+        parts: ``head_dim`` = kv_lora_rank, ``rope_dim`` = qk_rope_head_dim."""
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"--attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}"
@@ -76,10 +108,11 @@ class PagedAttention:
                     f"--attention triton runs on CUDA only, the pool is on {device}; use "
                     "--attention sdpa (or auto)"
                 )
-            if head_dim < 16 or head_dim & (head_dim - 1):
+            if not _tileable(head_dim) or (rope_dim and not _tileable(rope_dim)):
+                what = f"is {head_dim}" if not rope_dim else f"has a {head_dim} + {rope_dim} latent"
                 raise ConfigError(
                     f"the triton attention kernel tiles head sizes that are powers of two >= 16, "
-                    f"the model's is {head_dim}; use --attention sdpa"
+                    f"the model's {what}; use --attention sdpa"
                 )
             return cls("triton", kernel)
         return cls("sdpa")
@@ -138,6 +171,58 @@ class PagedAttention:
             raise ConfigError("log-sum-exp output needs the triton attention backend")
         return self._sdpa(q, k, v, k_pages, v_pages, batch)
 
+    def latent(
+        self,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        latent_pages: torch.Tensor,
+        batch: ForwardBatch,
+        value_dim: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """``[T, heads, value_dim]`` MLA attention of the absorbed queries ``q``
+        (``[T, heads, D]``) over the cached latent: keys are the latent rows (``D`` dims), values
+        their first ``value_dim`` dims.
+
+        ``latent`` (``[T, D]``) is the extend tokens' latent, already written into
+        ``latent_pages`` (the layer's ``[slots, P, D]`` pool buffer).
+        """
+        if self.backend == "triton":
+            if batch.page_table is None or batch.prefix_lens_device is None:
+                raise ConfigError(
+                    "the triton attention path reads the page tables ForwardBatch.build puts on "
+                    "the device; this batch was made without them"
+                )
+            assert batch.table_starts is not None
+            out = q.new_empty((*q.shape[:2], value_dim))
+            pages = latent_pages.unsqueeze(2)  # [slots, P, 1, D]: one KV head
+            attention_kernel.paged_prefill(
+                q,
+                pages,
+                pages,
+                out,
+                torch.arange(batch.num_requests, device=q.device),
+                batch.cu_seqlens,
+                batch.prefix_lens_device,
+                batch.page_table,
+                batch.table_starts,
+                max(batch.extend_lens),
+                self.kernel or AttentionKernelConfig.default_for(q.dtype, latent=True),
+                scale=scale,
+                rope_dim=latent.shape[-1] - value_dim,
+            )
+            return out
+        out = q.new_empty((*q.shape[:2], value_dim))
+        rows = latent_pages.view(-1, latent_pages.shape[-1])
+        starts = batch.cu_seqlens_host
+        for i, prefix in enumerate(batch.prefix_lens):
+            start, end = starts[i], starts[i + 1]
+            # Without a prefix the latent just computed is bit for bit the rows just written.
+            keys = latent[start:end] if prefix == 0 else rows.index_select(0, batch.read_index[i])
+            keys = keys[:, None, :]
+            out[start:end] = sdpa_causal(q[start:end], keys, keys[..., :value_dim], scale)
+        return out
+
     @staticmethod
     def _sdpa(
         q: torch.Tensor,
@@ -166,17 +251,21 @@ class PagedAttention:
         return out
 
 
-def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of ``L`` queries (``[L, heads, D]``) over ``S >= L`` keys.
+def sdpa_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of ``L`` queries (``[L, heads, D]``) over ``S >= L`` keys (``[S,
+    kv_heads, D]``) and values (``[S, kv_heads, Dv]``), scores scaled by ``scale`` (default
+    ``D ** -0.5``).
 
     The queries hold the last ``L`` of the ``S`` positions: query ``i`` sees keys
-    ``0 .. S - L + i``. Returns ``[L, heads, D]``.
+    ``0 .. S - L + i``. Returns ``[L, heads, Dv]``.
     """
     num_queries, num_keys = q.shape[0], k.shape[0]
     gqa = q.shape[1] != k.shape[1]
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if num_queries == num_keys:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     else:
         # is_causal aligns the mask top-left. With a cached prefix the queries are the last
         # L of S positions, so the mask must align bottom-right (x: may attend):
@@ -185,5 +274,5 @@ def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
         #     query L-1       x x x x x x x x x x x
         # causal_lower_right does so, and on CUDA runs the flash kernel without an [L, S] mask.
         mask = causal_lower_right(num_queries, num_keys)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     return out[0].transpose(0, 1)

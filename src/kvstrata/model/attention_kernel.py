@@ -63,8 +63,11 @@ class AttentionKernelConfig:
             raise ConfigError(f"num_stages must lie in [1, 8], got {self.num_stages}")
 
     @classmethod
-    def default_for(cls, dtype: torch.dtype) -> AttentionKernelConfig:
-        """The default launch shape for ``dtype``."""
+    def default_for(cls, dtype: torch.dtype, latent: bool = False) -> AttentionKernelConfig:
+        """The default launch shape for ``dtype``; ``latent``: for an MLA latent (a 512-wide
+        value tile, so fewer rows per program; not yet swept on a GPU)."""
+        if latent:
+            return cls(32, 16, 4, 2, True) if dtype == torch.float32 else cls(32, 32, 8, 2, True)
         return cls(64, 32, 4, 2, True) if dtype == torch.float32 else cls()
 
 
@@ -81,10 +84,10 @@ if triton is not None:
     # Triton reads parameter annotations as specialisation hints, so the kernels have none.
     @triton.jit
     def _attend_tile(  # type: ignore[no-untyped-def]
-        q, q_pos, m_i, l_i, acc, start, kv_end, K, V, table, kv_head,
-        stride_kslot, stride_kpos, stride_vslot, stride_vpos, scale_log2,
-        HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-        MASKED: tl.constexpr, PRECISION: tl.constexpr,
+        q, q_rope, q_pos, m_i, l_i, acc, start, kv_end, K, V, table, kv_head,
+        stride_kslot, stride_kpos, stride_kh, stride_vslot, stride_vpos, stride_vh, scale_log2,
+        HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         """One step of the online softmax over keys ``[start, start + BLOCK_N)``."""
         dims = tl.arange(0, HEAD_DIM)
@@ -92,13 +95,21 @@ if triton is not None:
         key_ok = key_pos < kv_end
         slots = tl.load(table + key_pos // PAGE, mask=key_ok, other=0).to(tl.int64)
         in_page = (key_pos % PAGE).to(tl.int64)
-        k_rows = slots * stride_kslot + in_page * stride_kpos + kv_head * HEAD_DIM
-        v_rows = slots * stride_vslot + in_page * stride_vpos + kv_head * HEAD_DIM
+        k_rows = slots * stride_kslot + in_page * stride_kpos + kv_head * stride_kh
+        v_rows = slots * stride_vslot + in_page * stride_vpos + kv_head * stride_vh
         if MASKED:
             k = tl.load(K + k_rows[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
         else:
             k = tl.load(K + k_rows[None, :] + dims[:, None])
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        s = tl.dot(q, k, input_precision=PRECISION)
+        if ROPE_DIM > 0:  # a latent's RoPE part: keys HEAD_DIM + [0, ROPE_DIM) of the same rows
+            rope_ptrs = K + k_rows[None, :] + HEAD_DIM + tl.arange(0, ROPE_DIM)[:, None]
+            if MASKED:
+                k_rope = tl.load(rope_ptrs, mask=key_ok[None, :], other=0.0)
+            else:
+                k_rope = tl.load(rope_ptrs)
+            s += tl.dot(q_rope, k_rope, input_precision=PRECISION)
+        s = s * scale_log2
         if MASKED:  # the diagonal and the end of the keys
             visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -116,8 +127,10 @@ if triton is not None:
     @triton.jit
     def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
         Q, K, V, Out, Lse, requests, cu_seqlens, prefix_lens, page_table, table_starts,
-        stride_qt, stride_ot, stride_kslot, stride_kpos, stride_vslot, stride_vpos, scale_log2,
-        HEAD_DIM: tl.constexpr,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_kslot, stride_kpos, stride_kh,
+        stride_vslot, stride_vpos, stride_vh, scale_log2,
+        HEAD_DIM: tl.constexpr,  # the value width, and the query / key width before ROPE_DIM
+        ROPE_DIM: tl.constexpr,  # further query / key dims (a latent's RoPE part), or 0
         GROUP: tl.constexpr,  # query heads per KV head
         PACK: tl.constexpr,  # query heads packed into a program's rows (GROUP or 1)
         PAGE: tl.constexpr,
@@ -141,8 +154,13 @@ if triton is not None:
             heads = tl.program_id(1) * PACK + rows % PACK
             dims = tl.arange(0, HEAD_DIM)
             row_ok = tokens < extend
-            q_rows = (q_start + tokens).to(tl.int64) * stride_qt + heads * HEAD_DIM
+            q_rows = (q_start + tokens).to(tl.int64) * stride_qt + heads * stride_qh
             q = tl.load(Q + q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+            if ROPE_DIM > 0:
+                rope_ptrs = Q + q_rows[:, None] + HEAD_DIM + tl.arange(0, ROPE_DIM)[None, :]
+                q_rope = tl.load(rope_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                q_rope = q  # unused
             q_pos = prefix + tokens
 
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -153,19 +171,19 @@ if triton is not None:
             full_end = (prefix + block * TOKENS + 1) // BLOCK_N * BLOCK_N
             for start in range(0, full_end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
-                    q, q_pos, m_i, l_i, acc, start, kv_end, K, V, table, kv_head,
-                    stride_kslot, stride_kpos, stride_vslot, stride_vpos, scale_log2,
-                    HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
+                    q, q_rope, q_pos, m_i, l_i, acc, start, kv_end, K, V, table, kv_head,
+                    stride_kslot, stride_kpos, stride_kh, stride_vslot, stride_vpos, stride_vh,
+                    scale_log2, HEAD_DIM, ROPE_DIM, PAGE, BLOCK_N, False, PRECISION,
                 )  # fmt: skip
             for start in range(full_end, kv_end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
-                    q, q_pos, m_i, l_i, acc, start, kv_end, K, V, table, kv_head,
-                    stride_kslot, stride_kpos, stride_vslot, stride_vpos, scale_log2,
-                    HEAD_DIM, PAGE, BLOCK_N, True, PRECISION,
+                    q, q_rope, q_pos, m_i, l_i, acc, start, kv_end, K, V, table, kv_head,
+                    stride_kslot, stride_kpos, stride_kh, stride_vslot, stride_vpos, stride_vh,
+                    scale_log2, HEAD_DIM, ROPE_DIM, PAGE, BLOCK_N, True, PRECISION,
                 )  # fmt: skip
 
             out = acc / l_i[:, None]
-            o_rows = (q_start + tokens).to(tl.int64) * stride_ot + heads * HEAD_DIM
+            o_rows = (q_start + tokens).to(tl.int64) * stride_ot + heads * stride_oh
             out_ptrs = Out + o_rows[:, None] + dims[None, :]
             tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
             if STORE_LSE:
@@ -189,10 +207,13 @@ def paged_prefill(
     config: AttentionKernelConfig,
     scale: float | None = None,
     lse: torch.Tensor | None = None,
+    rope_dim: int = 0,
 ) -> None:
     """Launch the kernel on the current stream: the rows of ``out[T, H, D]`` that belong to
-    ``requests`` (indices into the batch), from ``q[T, H, D]`` and the layer's
-    ``[slots, P, H_kv, D]`` pages; other rows are not written.
+    ``requests`` (indices into the batch), from ``q[T, H, D + rope_dim]`` and the layer's
+    ``[slots, P, H_kv, D + rope_dim]`` key pages and ``[slots, P, H_kv, >= D]`` value pages; other
+    rows are not written. ``rope_dim`` > 0 is the MLA form: keys and values are one latent
+    (``k_pages`` and ``v_pages`` the same tensor, ``H_kv`` 1), the values its first ``D`` dims.
 
     ``cu_seqlens`` ``[R + 1]``, ``prefix_lens`` ``[R]``, ``table_starts`` ``[R]`` (each request's
     first entry in ``page_table``) and ``page_table`` (every request's slots, concatenated) are
@@ -201,7 +222,8 @@ def paged_prefill(
     check (:mod:`kvstrata.model.attention` does).
     """
     require_triton()
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, num_heads, qk_dim = q.shape
+    head_dim = qk_dim - rope_dim
     num_requests = requests.numel()
     if num_requests == 0 or max_extend == 0:
         return
@@ -214,7 +236,7 @@ def paged_prefill(
         num_heads // pack,
         num_requests,
     )
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scale = 1.0 / math.sqrt(qk_dim) if scale is None else scale
     kernel: Any = _paged_prefill_kernel
     kernel[grid](
         q,
@@ -228,13 +250,18 @@ def paged_prefill(
         page_table,
         table_starts,
         q.stride(0),
+        q.stride(1),
         out.stride(0),
+        out.stride(1),
         k_pages.stride(0),
         k_pages.stride(1),
+        k_pages.stride(2),
         v_pages.stride(0),
         v_pages.stride(1),
+        v_pages.stride(2),
         scale * 1.4426950408889634,  # log2(e): the kernel exponentiates in base 2
         HEAD_DIM=head_dim,
+        ROPE_DIM=rope_dim,
         GROUP=group,
         PACK=pack,
         PAGE=page_size,

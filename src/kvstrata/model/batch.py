@@ -58,6 +58,15 @@ class ContextParallel(Protocol):
         v_rows: torch.Tensor,
     ) -> torch.Tensor: ...
 
+    def attend_latent(
+        self,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        latent_rows: torch.Tensor,
+        value_dim: int,
+        scale: float,
+    ) -> torch.Tensor: ...
+
     def gather_last(self, rows: torch.Tensor) -> torch.Tensor: ...
 
     def share(self, values: torch.Tensor) -> torch.Tensor: ...

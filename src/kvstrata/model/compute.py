@@ -20,8 +20,10 @@ import torch
 from ..config import KVLayout, PayloadSpec
 from ..errors import ConfigError
 from ..tiers.pool import DevicePool
+from .attention import ExchangeBytes
 from .batch import ForwardBatch, LayerHooks
-from .llama import LlamaModel
+from .decoder import Decoder
+from .layout import DRAFT_PREFIX
 
 
 class Compute(Protocol):
@@ -30,6 +32,7 @@ class Compute(Protocol):
     layout: KVLayout
     vocab_size: int
     max_seq_len: int  # the longest sequence it can compute (the model's positions)
+    exchange: ExchangeBytes  # per layer and token, what a CP attention strategy moves
 
     def forward(
         self,
@@ -53,13 +56,15 @@ class Compute(Protocol):
 
 
 class ModelCompute:
-    """The reference decoder: K and V per layer, last-token logits."""
+    """The reference decoder: its payloads per layer (K and V, or an MLA latent), last-token
+    logits."""
 
-    def __init__(self, model: LlamaModel, dtype: torch.dtype) -> None:
+    def __init__(self, model: Decoder, dtype: torch.dtype) -> None:
         self.model = model
         self.layout = model.config.kv_layout(str(dtype).removeprefix("torch."))
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.config.max_position_embeddings
+        self.exchange = model.exchange_bytes()
 
     def forward(
         self,
@@ -80,21 +85,22 @@ class ModelCompute:
 class PairCompute:
     """A target model and its speculative draft, prefilled in the same forward on the same pages.
 
-    The draft's K/V are the payloads ``draft_k`` / ``draft_v`` of the target's pages (same owners,
-    same host and disk slots), so a cache hit restores both or neither. The draft runs first with
+    The draft's payloads (``draft_k`` / ``draft_v``, or ``draft_kv_latent``) are on the target's
+    pages (same owners, same host and disk slots), so a cache hit restores both or neither. The draft runs first with
     the load-back waits only; the target then runs with every hook, so a layer's write-through
     backup starts once both models have written it. Logits come back ``[..., 2, vocab]``: the
     target's at index 0, the draft's at 1.
     """
 
-    def __init__(self, target: LlamaModel, draft: LlamaModel, dtype: torch.dtype) -> None:
-        self.target, self.draft = target, draft.use_payloads("draft_")
+    def __init__(self, target: Decoder, draft: Decoder, dtype: torch.dtype) -> None:
+        self.target, self.draft = target, draft.use_payloads(DRAFT_PREFIX)
         name = str(dtype).removeprefix("torch.")
         self.layout = target.config.kv_layout(name, draft=draft.config)  # checks the pair
         self.vocab_size = target.config.vocab_size
         self.max_seq_len = min(
             target.config.max_position_embeddings, draft.config.max_position_embeddings
         )
+        self.exchange = target.exchange_bytes().plus(draft.exchange_bytes())
 
     def forward(
         self,
@@ -213,6 +219,8 @@ class SyntheticCompute:
         self.vocab_size = vocab_size
         self.max_seq_len = 1 << 31
         self.layout = KVLayout(num_layers=1, payloads=(PayloadSpec("kv", (kv_width,), "uint8"),))
+        # Its CP forward exchanges no attention; ``auto``'s choice only labels the step.
+        self.exchange = ExchangeBytes(kv=kv_width, queries=2 * kv_width, partials=2 * kv_width + 8)
         self._weight_table: torch.Tensor | None = None
         self._rows: tuple[DevicePool, npt.NDArray[np.uint8]] | None = None
 

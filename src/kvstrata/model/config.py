@@ -1,10 +1,11 @@
-"""The shape of a decoder model: :class:`ModelConfig`, its presets and its ``config.json`` mapping.
+"""The shape of a decoder model: :class:`ModelConfig`, the presets and the ``config.json`` mapping.
 
-One frozen dataclass describes every model the reference engine runs (Llama, Qwen2, Qwen3). It is
-built from a Hugging Face ``config.json`` (:meth:`ModelConfig.from_hf`) or taken from
-:data:`PRESETS`, and it tells the cache what one token of KV looks like (:meth:`ModelConfig.kv_layout`).
-Options the model does not implement (sliding windows, MLP biases, other RoPE variants) are refused
-here, by name, instead of being ignored.
+One frozen dataclass describes the grouped-query decoders the reference engine runs (Llama, Qwen2,
+Qwen3); :class:`~kvstrata.model.deepseek_config.DeepseekConfig` describes the MLA models
+(DeepSeek-V2 / V3). :func:`config_from_hf` builds either from a Hugging Face ``config.json``,
+:data:`PRESETS` holds both kinds, and each tells the cache what one token of KV looks like
+(``kv_layout``). Options a model does not implement (sliding windows, MLP biases, other RoPE
+variants) are refused by name instead of being ignored.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, TypeGuard
+from typing import Any
 
 from ..config import KVLayout, PayloadSpec
 from ..errors import CheckpointError, ConfigError, UnsupportedArchitectureError
+from . import deepseek_config
+from .deepseek_config import MLA_PRESETS, DeepseekConfig
+from .deepseek_hf import deepseek_from_hf
+from .hf_fields import HFFields, is_number, positive_float, positive_int
+from .layout import model_layout
 
 #: Hugging Face ``architectures`` entry -> our architecture name.
 HF_ARCHITECTURES = {
@@ -25,16 +31,6 @@ HF_ARCHITECTURES = {
 }
 ARCHITECTURES = tuple(HF_ARCHITECTURES.values())
 _HF_NAMES = {arch: hf for hf, arch in HF_ARCHITECTURES.items()}
-
-
-def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def _positive_float(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigError(f"{name} must be a number > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -52,10 +48,10 @@ class RopeScaling:
     original_max_position_embeddings: int
 
     def __post_init__(self) -> None:
-        _positive_float("rope_scaling.factor", self.factor)
-        _positive_float("rope_scaling.low_freq_factor", self.low_freq_factor)
-        _positive_float("rope_scaling.high_freq_factor", self.high_freq_factor)
-        _positive_int(
+        positive_float("rope_scaling.factor", self.factor)
+        positive_float("rope_scaling.low_freq_factor", self.low_freq_factor)
+        positive_float("rope_scaling.high_freq_factor", self.high_freq_factor)
+        positive_int(
             "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings
         )
         if not self.high_freq_factor > self.low_freq_factor:
@@ -105,7 +101,7 @@ class ModelConfig:
             "head_dim",
             "max_position_embeddings",
         ):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
@@ -113,8 +109,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        _positive_float("rope_theta", self.rope_theta)
-        _positive_float("rms_norm_eps", self.rms_norm_eps)
+        positive_float("rope_theta", self.rope_theta)
+        positive_float("rms_norm_eps", self.rms_norm_eps)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ConfigError(
                 f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}"
@@ -125,21 +121,21 @@ class ModelConfig:
         """Query heads that share one K/V head."""
         return self.num_heads // self.num_kv_heads
 
-    def kv_layout(self, dtype: str, draft: ModelConfig | None = None) -> KVLayout:
-        """The cache layout of this model: payloads ``k`` and ``v``, one token
-        ``[num_kv_heads, head_dim]``; with a speculative ``draft`` model, also ``draft_k`` and
-        ``draft_v`` of the draft's shape on the same pages (:func:`check_draft` first)."""
-        token_shape = (self.num_kv_heads, self.head_dim)
-        payloads = [PayloadSpec("k", token_shape, dtype), PayloadSpec("v", token_shape, dtype)]
-        if draft is not None:
-            check_draft(self, draft)
-            shape = (draft.num_kv_heads, draft.head_dim)
-            layers = draft.num_layers if draft.num_layers < self.num_layers else None
-            payloads += [
-                PayloadSpec("draft_k", shape, dtype, layers),
-                PayloadSpec("draft_v", shape, dtype, layers),
-            ]
-        return KVLayout(num_layers=self.num_layers, payloads=tuple(payloads))
+    def token_payloads(
+        self, dtype: str, prefix: str = "", num_layers: int | None = None
+    ) -> tuple[PayloadSpec, ...]:
+        """``{prefix}k`` and ``{prefix}v``, one token ``[num_kv_heads, head_dim]`` each."""
+        shape = (self.num_kv_heads, self.head_dim)
+        return (
+            PayloadSpec(f"{prefix}k", shape, dtype, num_layers),
+            PayloadSpec(f"{prefix}v", shape, dtype, num_layers),
+        )
+
+    def kv_layout(self, dtype: str, draft: DecoderConfig | None = None) -> KVLayout:
+        """The cache layout of this model: payloads ``k`` and ``v``; with a speculative ``draft``
+        model, also the draft's payloads (``draft_k``/``draft_v``, or ``draft_kv_latent``) on the
+        same pages (see :func:`~kvstrata.model.layout.model_layout`)."""
+        return model_layout(self, dtype, draft)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
@@ -161,7 +157,7 @@ class ModelConfig:
                 f"{', '.join(HF_ARCHITECTURES)}"
             )
         architecture = known[0]
-        fields = _HFFields(hf, architecture)
+        fields = HFFields(hf, architecture)
         _refuse_unsupported_options(hf, architecture)
         num_heads = fields.integer("num_attention_heads")
         hidden_size = fields.integer("hidden_size")
@@ -227,51 +223,6 @@ class ModelConfig:
         return hf
 
 
-_REQUIRED = object()
-
-
-class _HFFields:
-    """Typed reads of ``config.json`` fields: a value of the wrong type is a
-    :class:`CheckpointError` naming the field, never a ``TypeError`` deep in the model (and
-    ``"false"`` is not true). A field set to null counts as absent, as transformers reads it."""
-
-    def __init__(self, hf: Mapping[str, Any], architecture: str) -> None:
-        self.hf = hf
-        self.architecture = architecture
-
-    def _get(self, key: str, default: object) -> object:
-        value = self.hf.get(key)
-        if value is not None:
-            return value
-        if default is _REQUIRED:
-            raise CheckpointError(
-                f"config.json lacks {key!r}, which a {self.architecture} model needs"
-            )
-        return default
-
-    def integer(self, key: str, default: object = _REQUIRED) -> int:
-        value = self._get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise CheckpointError(f"config.json: {key} must be an integer >= 1, got {value!r}")
-        return value
-
-    def number(self, key: str, default: object = _REQUIRED) -> float:
-        value = self._get(key, default)
-        if not _is_number(value) or not 0 < value < math.inf:
-            raise CheckpointError(f"config.json: {key} must be a finite number > 0, got {value!r}")
-        return float(value)
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self._get(key, default)
-        if not isinstance(value, bool):
-            raise CheckpointError(f"config.json: {key} must be true or false, got {value!r}")
-        return value
-
-
-def _is_number(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _refuse_unsupported_options(hf: Mapping[str, Any], architecture: str) -> None:
     """Raise for ``config.json`` options that would silently change the model if ignored."""
     act = hf.get("hidden_act", "silu")
@@ -301,7 +252,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
             f"config.json: rope_parameters / rope_scaling must be an object, got {params!r}"
         )
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if not _is_number(theta) or not 0 < theta < math.inf:
+    if not is_number(theta) or not 0 < theta < math.inf:
         raise CheckpointError(f"config.json: rope_theta must be a finite number > 0, got {theta!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -310,7 +261,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         raise UnsupportedArchitectureError(
             f"rope_type {rope_type!r} is not supported; kvstrata implements default and llama3 RoPE"
         )
-    fields = _HFFields(params, "llama3 rope scaling")
+    fields = HFFields(params, "llama3 rope scaling")
     scaling = RopeScaling(
         factor=fields.number("factor"),
         low_freq_factor=fields.number("low_freq_factor"),
@@ -320,24 +271,28 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     return float(theta), scaling
 
 
-def check_draft(target: ModelConfig, draft: ModelConfig) -> None:
-    """Refuse a draft model that cannot share the target's pages and vocabulary.
+def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:
+    """The config a Hugging Face ``config.json`` describes: the first of its ``architectures``
+    kvstrata runs decides between :class:`ModelConfig` and :class:`DeepseekConfig`.
 
-    The draft's K/V are further payloads of the target's pages, in the target's layer slots, so
-    it may have at most the target's layers; it proposes tokens the target scores, so the
-    vocabularies must be equal.
+    Raises :class:`UnsupportedArchitectureError` for an architecture or option kvstrata does not
+    implement, :class:`CheckpointError` for a field that is missing or of the wrong type, and
+    :class:`ConfigError` for fields that describe no valid model.
     """
-    if draft.vocab_size != target.vocab_size:
-        raise ConfigError(
-            f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the target's "
-            f"({target.vocab_size}): a speculative draft must share the target's tokenizer"
+    declared = hf.get("architectures") or []
+    if not isinstance(declared, list) or not all(isinstance(a, str) for a in declared):
+        raise CheckpointError(
+            f"config.json: architectures must be a list of names, got {declared!r}"
         )
-    if draft.num_layers > target.num_layers:
-        raise ConfigError(
-            f"the draft model has {draft.num_layers} layers, more than the target's "
-            f"{target.num_layers}: its K/V live in the target's layer slots of each page; pick a "
-            "smaller draft"
-        )
+    for name in declared:
+        if name in HF_ARCHITECTURES:
+            return ModelConfig.from_hf(hf)
+        if name in deepseek_config.HF_ARCHITECTURES:
+            return deepseek_from_hf(hf, deepseek_config.HF_ARCHITECTURES[name])
+    raise UnsupportedArchitectureError(
+        f"config.json declares architectures {declared}; kvstrata runs "
+        f"{', '.join([*HF_ARCHITECTURES, *deepseek_config.HF_ARCHITECTURES])}"
+    )
 
 
 # Small enough for unit tests on one CPU core; the Qwen variants differ only where the
@@ -355,7 +310,10 @@ _TINY = ModelConfig(
     max_position_embeddings=131072,
 )
 
-PRESETS: dict[str, ModelConfig] = {
+#: Every model config kvstrata runs.
+DecoderConfig = ModelConfig | DeepseekConfig
+
+PRESETS: dict[str, DecoderConfig] = {
     "tiny": _TINY,
     "tiny-qwen2": replace(
         _TINY, architecture="qwen2", rope_theta=1000000.0, tie_word_embeddings=True, qkv_bias=True
@@ -398,4 +356,5 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         max_position_embeddings=131072,
     ),
+    **MLA_PRESETS,
 }

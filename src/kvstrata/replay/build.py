@@ -9,7 +9,6 @@ import torch
 
 from ..config import KVLayout
 from ..limits import ALLOCATOR_BYTES_PER_PAGE, check_fits
-from ..model.attention import PagedAttention
 from ..model.compute import Compute, ModelCompute, PairCompute, SyntheticCompute
 from ..model.loader import load_model, read_model_config, resolve_dtype, weight_bytes
 from .config import ReplayConfig
@@ -21,9 +20,7 @@ def build_compute(cfg: ReplayConfig) -> Compute:
         return SyntheticCompute(cfg.kv_width, cfg.vocab_size)
     _, model = load_model(cfg.model, device=cfg.engine.device, dtype=cfg.dtype, seed=cfg.seed)
     model.use_attention(cfg.attention)
-    PagedAttention.for_device(  # refuse a backend the device cannot run before any work
-        cfg.attention, torch.device(cfg.engine.device), model.config.head_dim
-    )
+    model.paged_attention(torch.device(cfg.engine.device))  # refuse what the device cannot run
     dtype = next(model.parameters()).dtype
     if cfg.draft_model is None:
         return ModelCompute(model, dtype)

@@ -22,7 +22,7 @@ from ..handoff import (
     layout_fingerprint,
 )
 from ..model.compute import Compute, ModelCompute, PairCompute, SyntheticCompute, synthetic_payload
-from ..model.llama import LlamaModel
+from ..model.decoder import Decoder
 from ..ownership import page_span
 from ..progress import Progress
 from ..workloads import Request
@@ -219,7 +219,7 @@ class _Decoder:
     assembled) against decoding from a prefill of it with an empty cache."""
 
     def __init__(self, cfg: ReplayConfig, compute: Compute) -> None:
-        self.draft: LlamaModel | None = None
+        self.draft: Decoder | None = None
         if isinstance(compute, PairCompute):
             self.target, self.draft = compute.target, compute.draft
         else:
