@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..cache.radix import TreeStats
+from ..cache.node import TreeStats
 from ..dist.group import Group
 from ..model.compute import Compute
 from ..workloads import SkippedLine
