@@ -155,6 +155,20 @@ BASE = {
         "--staging-mib",
         "1",
     ],
+    "bench tiers": [
+        "bench",
+        "tiers",
+        "--device",
+        "cpu",
+        "--prefix",
+        "32",
+        "--suffix",
+        "8",
+        "--repeats",
+        "1",
+        "--dir",
+        "/tmp",
+    ],
     "disk": ["disk", "check"],  # its value: the directory (test_disk_check_positional)
     "bench transfer": [
         "bench",
@@ -335,6 +349,11 @@ def test_bench_disk_flags() -> None:
 def test_bench_sglang_backend_flags() -> None:
     pytest.importorskip("sglang", reason="the pinned sglang is not installed (scripts/setup.sh)")
     fuzz("bench sglang-backend", 20)  # a valid value runs dd and SGLang's host pool
+
+
+@pytest.mark.slow
+def test_bench_tiers_flags() -> None:
+    fuzz("bench tiers", 12)  # a valid value runs the tiny model through every tier and dd
 
 
 @given(value=BAD_VALUES)

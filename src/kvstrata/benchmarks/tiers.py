@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -76,6 +77,10 @@ def _defaults(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name} must be >= 1")
     if args.prefix % PAGE:
         raise ConfigError(f"--prefix must be a multiple of the page size {PAGE}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if not Path(args.dir).is_dir() or not os.access(args.dir, os.W_OK):
+        raise ConfigError(f"--dir {args.dir} is not a writable directory; give one on the disk")
 
 
 class _Tiered:
