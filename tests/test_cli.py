@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import write_trace
 
 from kvstrata import __version__
 from kvstrata.cli import main
@@ -43,11 +44,6 @@ def test_replay_defaults_print_table_and_json_last_line() -> None:
     assert data["hit_ratio"] > 0.5
     assert data["cached_tokens"] + data["computed_tokens"] == data["prompt_tokens"]
     assert any(line.startswith("hit ratio") for line in lines)
-
-
-def write_trace(path: Path, lines: list[str]) -> Path:
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 GOOD = '{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}'

@@ -62,9 +62,9 @@ def replay(group: Group, kind: str, n: int, config: dict[str, Any]) -> dict[str,
         "payload": {rid: f.payload for rid, f in out.items()},
         "cached": {rid: f.cached_len for rid, f in out.items()},
         "errors": [f.error for f in out.values() if f.error],
-        "digest": (engine.allocator.digest(), engine.tree.digest()),
+        "digest": (engine.cache.allocator.digest(), engine.cache.tree.digest()),
         "l2_hits": engine.hit_tokens[Tier.L2],
-        "pages_used": engine.allocator.num_used,
+        "pages_used": engine.cache.allocator.num_used,
         "strategies": engine.strategy_steps,
         "traffic": dict(engine.group.traffic.bytes),
     }
@@ -163,14 +163,14 @@ def delayed_replay(group: Group, seed: int) -> dict[str, Any]:
         held[:] = [(wait - 1, c) for wait, c in held if wait > 0]
         return ready
 
-    engine.report_delay = late
+    engine.cache.report_delay = late
     requests = _requests("none", 60)
     for r in requests:
         engine.add(r)
     digests = []
     while engine.has_work():
         engine.step()
-        digests.append((engine.allocator.digest(), engine.tree.digest()))
+        digests.append((engine.cache.allocator.digest(), engine.cache.tree.digest()))
     for _ in range(10):  # the held completions come in over a few more settles
         engine.drain()
     return {"digests": digests, "l2": engine.hit_tokens[Tier.L2], "left": len(held)}
@@ -256,7 +256,7 @@ def _failing_loads(group: Group) -> None:
     torch.set_num_threads(1)
     config = EngineConfig(**{**BASE, "pool_tokens": 320, "check_digests": True})
     engine = Engine(_compute("none"), config, group=group)
-    transfer = engine.transfer
+    transfer = engine.cache.transfer
     assert transfer is not None
     real_copy = transfer.copier.copy
 

@@ -43,8 +43,8 @@ def _config(root: str, start: str) -> EngineConfig:
 
 def _corrupt_every_slot(engine: Engine) -> None:
     """Flip a payload byte of every slot of this rank's first slab."""
-    assert engine.disk is not None
-    slab = engine.disk.store._slabs[0]
+    assert engine.cache.disk is not None
+    slab = engine.cache.disk.store._slabs[0]
     with open(slab.path, "r+b") as f:
         for slot in range(slab.geometry.num_slots):
             offset = slab.geometry.slot_offset(slot) + SLOT_HEADER_BYTES + 3
@@ -71,17 +71,17 @@ def _run(
         out = engine.run(requests, check=True)
     finally:
         engine.close()
-    assert engine.disk is not None
+    assert engine.cache.disk is not None
     return {
         "payload": {rid: f.payload for rid, f in out.items()},
         "logits": {rid: f.logits for rid, f in out.items()},
         "cached": {rid: f.cached_len for rid, f in out.items()},
         "errors": [f.error for f in out.values() if f.error],
         "l3_hits": engine.hit_tokens[Tier.L3],
-        "spilled": engine.disk.stats.spilled_pages,
-        "reloaded": engine.disk.stats.reloaded_pages,
-        "verify_failures": engine.disk.store.stats().verify_failures,
-        "digest": (engine.allocator.digest(), engine.tree.digest()),
+        "spilled": engine.cache.disk.stats.spilled_pages,
+        "reloaded": engine.cache.disk.stats.reloaded_pages,
+        "verify_failures": engine.cache.disk.store.stats().verify_failures,
+        "digest": (engine.cache.allocator.digest(), engine.cache.tree.digest()),
     }
 
 
@@ -143,7 +143,7 @@ def _drain_mid_lookup(group: Group, root: str, request: Request) -> dict[str, An
         engine.add(request)
         engine.step()  # the lookup waits for the next frontier
         engine.drain()  # gives it up: nothing reserved, nothing in flight
-        held = engine.disk.held_pages if engine.disk else -1
+        held = engine.cache.disk.held_pages if engine.cache.disk else -1
         engine.check()
         out = engine.run([], check=True)
     finally:
@@ -159,3 +159,15 @@ def test_cp2_drain_gives_up_a_pending_lookup(tmp_path: Path) -> None:
     ranks = run_ranks(2, _drain_mid_lookup, (root, again), timeout_s=TIMEOUT_S)
     assert [r["held"] for r in ranks] == [0, 0]
     _exact(ranks[0], [again])
+
+
+def test_cp2_the_same_l3_replay_twice_gives_identical_counts(tmp_path: Path) -> None:
+    requests = builtin(1000, seed=5, n_requests=60)
+    runs = [
+        run_ranks(2, _run, ("none", str(tmp_path / d), "clear", requests, -1), timeout_s=TIMEOUT_S)
+        for d in ("a", "b")
+    ]
+    keys = ("l3_hits", "spilled", "reloaded", "digest", "cached")
+    for rank in (0, 1):
+        assert {k: runs[0][rank][k] for k in keys} == {k: runs[1][rank][k] for k in keys}
+    assert runs[0][0]["l3_hits"] > 0

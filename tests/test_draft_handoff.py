@@ -128,7 +128,7 @@ def test_mismatched_draft_fails_fast_with_a_clear_message() -> None:
     compute = pair()
     pool = DevicePool(PRESETS["tiny"].kv_layout("float32"), 16, 8)
     engine = Engine(compute, EngineConfig(page_size=16, pool_tokens=128))
-    engine.pool = pool
+    engine.cache.pool = pool
     engine.add(Request(0, np.arange(20, dtype=np.uint32)))
     with pytest.raises(ConfigError, match="no payload named 'draft_k'"):
         engine.step()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import run_all
 
-from kvstrata.engine import Engine, EngineConfig, Finished
+from kvstrata.engine import Engine, EngineConfig
 from kvstrata.errors import ConfigError
 from kvstrata.model.compute import ModelCompute, SyntheticCompute, synthetic_payload
 from kvstrata.model.loader import load_model
@@ -19,16 +20,6 @@ def tiny() -> ModelCompute:
     torch.manual_seed(0)
     _, model = load_model("tiny", device="cpu", dtype="float32", seed=0)
     return ModelCompute(model, torch.float32)
-
-
-def run_all(engine: Engine, requests: list[Request]) -> dict[int, Finished]:
-    for r in requests:
-        engine.add(r)
-    out: dict[int, Finished] = {}
-    while engine.has_work():
-        for f in engine.step():
-            out[f.rid] = f
-    return out
 
 
 def test_cached_logits_equal_uncached_for_every_request(tiny: ModelCompute) -> None:
@@ -44,8 +35,8 @@ def test_cached_logits_equal_uncached_for_every_request(tiny: ModelCompute) -> N
 
     assert len(finished) == 200 and all(f.error is None for f in finished.values())
     assert sum(f.cached_len for f in finished.values()) > 0.3 * sum(r.tokens.size for r in requests)
-    assert engine.tree.num_pages <= config.pool_pages
-    evicted_some = engine.allocator.num_pages < sum(-(-r.tokens.size // 16) for r in requests)
+    assert engine.cache.tree.num_pages <= config.pool_pages
+    evicted_some = engine.cache.allocator.num_pages < sum(-(-r.tokens.size // 16) for r in requests)
     assert evicted_some
     for r in requests:
         cached = finished[r.rid].logits
@@ -71,11 +62,11 @@ def test_repeated_identical_prompt_hits_and_does_not_grow_pool(tiny: ModelComput
     engine = Engine(tiny, EngineConfig(page_size=16, pool_tokens=256))
     first = run_all(engine, [Request(0, tokens)])[0]
     assert first.cached_len == 0
-    used = engine.allocator.num_used
+    used = engine.cache.allocator.num_used
     for i in range(1, 6):
         again = run_all(engine, [Request(i, tokens)])[i]
         assert again.cached_len == 32  # whole pages only; the tail page is recomputed
-        assert engine.allocator.num_used == used
+        assert engine.cache.allocator.num_used == used
     engine.check()
 
 

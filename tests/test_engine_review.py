@@ -11,26 +11,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import run_all
 
 from kvstrata.cli import main
-from kvstrata.engine import Engine, EngineConfig, Finished
+from kvstrata.engine import Engine, EngineConfig
 from kvstrata.model.compute import ModelCompute, SyntheticCompute
 from kvstrata.model.loader import load_model
 from kvstrata.replay import ReplayConfig, run_replay
 from kvstrata.workloads import Request
-
-
-def run_all(engine: Engine, requests: list[Request]) -> dict[int, Finished]:
-    for r in requests:
-        engine.add(r)
-    out: dict[int, Finished] = {}
-    steps = 0
-    while engine.has_work():
-        steps += 1
-        assert steps < 10_000, "the engine stopped making progress"
-        for f in engine.step():
-            out[f.rid] = f
-    return out
 
 
 def synthetic_engine(**kwargs: Any) -> Engine:
@@ -60,7 +48,7 @@ def test_retries_of_a_waiting_request_are_not_hits() -> None:
     out = run_all(engine, [big, waiter])
     assert out[2].cached_len == 8
     # Chunks are inserted as they finish, so the prefix may span several nodes.
-    shared = [n for n in engine.tree.nodes() if n.end <= 8 and n.tokens[0] == n.start + 1]
+    shared = [n for n in engine.cache.tree.nodes() if n.end <= 8 and n.tokens[0] == n.start + 1]
     assert sum(n.end - n.start for n in shared) == 8
     assert all(n.hit_count == 1 for n in shared)  # one request reused it, once
 

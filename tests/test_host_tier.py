@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import run_all
 
-from kvstrata.engine import Engine, EngineConfig, Finished
+from kvstrata.engine import Engine, EngineConfig
 from kvstrata.errors import ConfigError
 from kvstrata.model.compute import ModelCompute, SyntheticCompute, synthetic_payload
 from kvstrata.model.loader import load_model
@@ -15,24 +16,6 @@ from kvstrata.replay import recompute_uncached
 from kvstrata.residency import Residency, Tier
 from kvstrata.tiers.tickets import Progress
 from kvstrata.workloads import Request, builtin, synthetic
-
-
-def run_all(engine: Engine, requests: list[Request], check: bool = True) -> dict[int, Finished]:
-    for r in requests:
-        engine.add(r)
-    out: dict[int, Finished] = {}
-    for _ in range(100_000):
-        if not engine.has_work():
-            break
-        for f in engine.step():
-            out[f.rid] = f
-        if check:
-            engine.check()
-    assert not engine.has_work(), "the engine stopped making progress"
-    engine.drain()
-    if check:
-        engine.check()
-    return out
 
 
 def synthetic_engine(**kw: object) -> Engine:
@@ -62,7 +45,7 @@ def test_host_hits_serve_exact_payload_bytes() -> None:
     )
     engine = synthetic_engine(pool_tokens=200, chunk_size=32, max_batch_tokens=64)
     engine.keep_logits = {r.rid for r in requests}
-    out = run_all(engine, requests)
+    out = run_all(engine, requests, check=True)
     assert all(f.error is None for f in out.values())
     assert engine.hit_tokens[Tier.L2] > 0 and engine.hit_tokens[Tier.L1] > 0
     assert sum(f.host_len for f in out.values()) == engine.hit_tokens[Tier.L2]
@@ -70,9 +53,9 @@ def test_host_hits_serve_exact_payload_bytes() -> None:
         f = out[r.rid]
         expected = synthetic_payload(torch.from_numpy(r.tokens.astype(np.int64)), 8)
         assert f.payload is not None and torch.equal(f.payload, expected), r.rid
-    stats = engine.transfer_stats()
+    stats = engine.cache.transfer_stats()
     assert stats is not None and stats.h2d_pages > 0 and stats.d2h_pages > 0
-    assert engine.backups is not None and engine.backups.stats.done > 0
+    assert engine.cache.backups is not None and engine.cache.backups.stats.done > 0
 
 
 def test_model_logits_with_l2_hits_equal_uncached(tiny: ModelCompute) -> None:
@@ -89,7 +72,7 @@ def test_model_logits_with_l2_hits_equal_uncached(tiny: ModelCompute) -> None:
     )
     engine = Engine(tiny, config)
     engine.keep_logits = {r.rid for r in requests}
-    out = run_all(engine, requests)
+    out = run_all(engine, requests, check=True)
     assert engine.hit_tokens[Tier.L2] > engine.hit_tokens[Tier.L1] / 4
     loaded = [r for r in requests if out[r.rid].host_len > 0]
     assert len(loaded) >= 10
@@ -110,24 +93,24 @@ def test_pending_backups_are_invisible_until_the_frontier_covers_them() -> None:
         frontier=lambda progress: held_back,
     )
     first = Request(0, np.arange(1, 41, dtype=np.uint32))
-    run_all(engine, [first])
-    assert all(n.residency is Residency.DEVICE_HOST_PENDING for n in engine.tree.nodes()), (
+    run_all(engine, [first], check=True)
+    assert all(n.residency is Residency.DEVICE_HOST_PENDING for n in engine.cache.tree.nodes()), (
         "backups must stay pending until the frontier covers them"
     )
     # More work, and a repeat of the first request: pending nodes are never evicted or demoted,
     # and no match ever reports a host copy.
     others = [Request(i, np.arange(100 * i, 100 * i + 12, dtype=np.uint32)) for i in range(1, 4)]
-    run_all(engine, [*others, Request(9, first.tokens.copy())])
-    hit = engine.tree.match_prefix(first.tokens, record=False)
+    run_all(engine, [*others, Request(9, first.tokens.copy())], check=True)
+    hit = engine.cache.tree.match_prefix(first.tokens, record=False)
     assert hit.host_pages.size == 0 and hit.valid_len == 40
     assert engine.hit_tokens[Tier.L2] == 0
-    assert engine.tree.num_host_pages > 0 and all(
-        n.residency is Residency.DEVICE_HOST_PENDING for n in engine.tree.nodes()
+    assert engine.cache.tree.num_host_pages > 0 and all(
+        n.residency is Residency.DEVICE_HOST_PENDING for n in engine.cache.tree.nodes()
     )
-    engine.frontier = lambda progress: progress
+    engine.cache.frontier = lambda progress: progress
     engine.drain()
     engine.check()
-    assert all(n.residency is Residency.DEVICE_HOST for n in engine.tree.nodes())
+    assert all(n.residency is Residency.DEVICE_HOST for n in engine.cache.tree.nodes())
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -151,7 +134,7 @@ def test_random_copy_failures_roll_back_and_leak_nothing(seed: int) -> None:
         max_batch_tokens=48,
         l2_tokens=int(rng.choice([64, 200, 1000])),
     )
-    transfer = engine.transfer
+    transfer = engine.cache.transfer
     assert transfer is not None
     real_copy = transfer.copier.copy
 
@@ -162,19 +145,19 @@ def test_random_copy_failures_roll_back_and_leak_nothing(seed: int) -> None:
 
     transfer.copier.copy = flaky  # type: ignore[method-assign]
     engine.keep_logits = {r.rid for r in requests}
-    out = run_all(engine, requests)
+    out = run_all(engine, requests, check=True)
     assert [f.error for f in out.values() if f.error] == []
     for r in requests:  # a failed copy never serves a wrong byte
         expected = synthetic_payload(torch.from_numpy(r.tokens.astype(np.int64)), 8)
         assert torch.equal(out[r.rid].payload, expected), r.rid
-    assert engine.backups is not None
+    assert engine.cache.backups is not None
     stats = transfer.stats()
     assert stats.failed_tickets > 0
-    assert engine.backups.stats.failed + engine.loads.stats.failed > 0  # type: ignore[union-attr]
+    assert engine.cache.backups.stats.failed + engine.cache.loads.stats.failed > 0  # type: ignore[union-attr]
     # Nothing leaks: every device page is free or cached, every host page free or cached.
-    assert engine.allocator.num_used == engine.tree.num_pages
-    assert engine.host_allocator is not None
-    assert engine.host_allocator.num_used == engine.tree.num_host_pages
+    assert engine.cache.allocator.num_used == engine.cache.tree.num_pages
+    assert engine.cache.host_allocator is not None
+    assert engine.cache.host_allocator.num_used == engine.cache.tree.num_host_pages
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
@@ -197,9 +180,9 @@ def test_write_policies_fill_l2_when_they_should(policy: str) -> None:
         write_through_hits=2,
     )
     engine.keep_logits = {r.rid for r in requests}
-    out = run_all(engine, requests)
+    out = run_all(engine, requests, check=True)
     assert all(f.error is None for f in out.values())
-    backups = engine.backups
+    backups = engine.cache.backups
     assert backups is not None and backups.stats.done > 0
     assert engine.hit_tokens[Tier.L2] > 0
     for r in requests:
@@ -210,9 +193,9 @@ def test_write_policies_fill_l2_when_they_should(policy: str) -> None:
 def test_a_full_l2_skips_backups_and_never_waits() -> None:
     engine = synthetic_engine(pool_tokens=64, l2_tokens=8)  # two host pages
     requests = [Request(i, np.arange(40 * i, 40 * i + 30, dtype=np.uint32)) for i in range(6)]
-    out = run_all(engine, requests)
+    out = run_all(engine, requests, check=True)
     assert all(f.error is None for f in out.values())
-    assert engine.backups is not None and engine.backups.stats.skipped > 0
+    assert engine.cache.backups is not None and engine.cache.backups.stats.skipped > 0
 
 
 def test_l2_configuration_errors() -> None:

@@ -138,7 +138,7 @@ def test_an_exact_page_aligned_repeat_is_no_hash_collision() -> None:
         engine.add(Request(i, t))
         while engine.has_work():
             engine.step()
-    assert engine.tree.hash_collisions == 0
+    assert engine.cache.tree.hash_collisions == 0
 
 
 @settings(max_examples=25, deadline=None)

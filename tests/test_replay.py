@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import trace_line, write_trace
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -34,15 +35,6 @@ def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
     code = main(args)
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def write_trace(path: Path, lines: list[str]) -> Path:
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def trace_line(input_length: int, hash_ids: list[int]) -> str:
-    return json.dumps({"timestamp": 0, "input_length": input_length, "hash_ids": hash_ids})
 
 
 # -- verification never says OK wrongly ----------------------------------------------------------
@@ -194,7 +186,7 @@ def test_bad_trace_fails_before_the_model_is_built(
     def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was built before the trace was checked")
 
-    monkeypatch.setattr(replay_module, "load_model", no_model)
+    monkeypatch.setattr("kvstrata.replay.build.load_model", no_model)
     code, _, err = cli(
         ["replay", "--model", "small", "--trace", "/no/such/trace.jsonl", "--no-progress"], capsys
     )
@@ -208,7 +200,7 @@ def test_pool_larger_than_memory_is_refused_before_allocating(
         raise AssertionError("the pool was allocated")
 
     monkeypatch.setattr("kvstrata.limits.available_bytes", lambda device: 2**30)
-    monkeypatch.setattr("kvstrata.engine.DevicePool", no_pool)
+    monkeypatch.setattr("kvstrata.engine.hierarchy.DevicePool", no_pool)
     # 32 M tokens of 64 bytes: 2 GiB of pool (+ allocator) against 1 GiB available.
     code, _, err = cli([*BASE, "--l1-tokens", str(2**25)], capsys)
     assert code == 2

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import trace_line, write_trace
 
 from kvstrata.arrivals import ArrivalSpec
 from kvstrata.clock import CostModel
@@ -18,17 +19,6 @@ from kvstrata.replay import ReplayConfig, ReplayRun, run_replay
 from kvstrata.workloads import DEFAULT_VOCAB_SIZE, load_workload
 
 COST = CostModel(tokens_per_s=100_000.0, h2d_gbps=1.0, d2h_gbps=1.0)
-
-
-def write_trace(path: Path, rows: list[tuple[int, int, list[int]]]) -> str:
-    """A Mooncake trace of (timestamp ms, input length, hash ids) rows."""
-    path.write_text(
-        "".join(
-            json.dumps({"timestamp": t, "input_length": n, "hash_ids": ids}) + "\n"
-            for t, n, ids in rows
-        )
-    )
-    return str(path)
 
 
 @dataclass
@@ -60,7 +50,7 @@ def replay(workload: str, observers: list[PerRequest] | None = None, **kwargs: o
 def test_a_burst_of_identical_arrivals_queues_longer_and_longer(tmp_path: Path) -> None:
     """Eight identical 4,000-token requests at the same timestamp, one running at a time: each
     waits for all before it, so the queue wait grows by about one request's compute each."""
-    trace = write_trace(tmp_path / "t.jsonl", [(5000, 4000, list(range(8)))] * 8)
+    trace = str(write_trace(tmp_path / "t.jsonl", [trace_line(4000, list(range(8)), 5000)] * 8))
     seen = PerRequest()
     data = replay(
         trace,
@@ -90,8 +80,10 @@ def test_a_burst_of_identical_arrivals_queues_longer_and_longer(tmp_path: Path) 
 def test_trace_arrivals_leave_idle_time_out_of_ttft(tmp_path: Path) -> None:
     """Requests 10 s apart on a fast engine: each finds it idle, waits in no queue, and the clock
     ends at the last arrival plus its compute."""
-    rows = [(i * 10_000, 1600, [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3]) for i in range(3)]
-    trace = write_trace(tmp_path / "t.jsonl", rows)
+    rows = [
+        trace_line(1600, [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], i * 10_000) for i in range(3)
+    ]
+    trace = str(write_trace(tmp_path / "t.jsonl", rows))
     seen = PerRequest()
     data = replay(trace, [seen], cost=COST)
     assert seen.queue == [0.0, 0.0, 0.0]

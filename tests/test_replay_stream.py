@@ -12,13 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata import replay
 from kvstrata.arrivals import ArrivalSpec
 from kvstrata.benchmarks.memory import run_child
 from kvstrata.engine import Engine, EngineConfig
 from kvstrata.errors import ConfigError
 from kvstrata.model.compute import SyntheticCompute
-from kvstrata.replay import ReplayConfig, VerifySample, run_replay
+from kvstrata.replay import ReplayConfig, VerifySample, feed, run_replay
 from kvstrata.workloads import Request, SkippedLine, Workload, agentic, builtin
 from kvstrata.workloads.agentic import AgenticShape
 
@@ -58,7 +57,7 @@ def test_replay_holds_only_the_lookahead_window(
     monkeypatch: pytest.MonkeyPatch, max_batch: int, lookahead: int | None, verify: int
 ) -> None:
     counter = LiveCounter(lambda: agentic(0, 300, 512, SMALL_AGENTIC))
-    monkeypatch.setattr(replay, "load_workload", lambda *a, **k: Workload("counted", counter.open))
+    monkeypatch.setattr(feed, "load_workload", lambda *a, **k: Workload("counted", counter.open))
     cfg = ReplayConfig(
         workload="counted",
         model="none",

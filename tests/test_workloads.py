@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import trace_line, write_trace
 
 from kvstrata.errors import ConfigError, InvalidTokensError, WorkloadError
 from kvstrata.workloads import (
@@ -30,20 +31,7 @@ BLOCK = 512
 
 
 def line(input_length: int, hash_ids: list[int], timestamp: int = 0) -> str:
-    return json.dumps(
-        {
-            "timestamp": timestamp,
-            "input_length": input_length,
-            "output_length": 1,
-            "hash_ids": hash_ids,
-        }
-    )
-
-
-def write_trace(tmp_path: Path, lines: list[str]) -> Path:
-    path = tmp_path / "trace.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return trace_line(input_length, hash_ids, timestamp, output_length=1)
 
 
 def digest(workload: Workload) -> str:
@@ -63,7 +51,7 @@ def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
 @pytest.fixture
 def trace(tmp_path: Path) -> Path:
     return write_trace(
-        tmp_path,
+        tmp_path / "trace.jsonl",
         [
             line(3 * BLOCK, [0, 1, 2], timestamp=0),
             line(2 * BLOCK + 100, [0, 1, 3], timestamp=5),
@@ -98,7 +86,7 @@ def test_fresh_process_gives_same_tokens(trace: Path) -> None:
 
 def test_block_tokens_are_pinned(tmp_path: Path) -> None:
     # Changing how ids expand would silently change every recorded trace result.
-    path = write_trace(tmp_path, [line(4, [0]), line(4, [182789])])
+    path = write_trace(tmp_path / "trace.jsonl", [line(4, [0]), line(4, [182789])])
     full = list(load_mooncake(path, vocab_size=2**32))
     assert full[0].tokens.tolist() == [2735729615, 1158725112, 175979945, 70985654]
     assert full[1].tokens.tolist() == [1825360380, 3495885725, 2668427709, 1637137620]
@@ -132,7 +120,7 @@ def test_vocab_mapping_in_range_and_consistent(trace: Path) -> None:
 
 
 def test_block_tokens_parameter(tmp_path: Path) -> None:
-    path = write_trace(tmp_path, [line(20, [0, 1]), line(16, [0, 2])])
+    path = write_trace(tmp_path / "trace.jsonl", [line(20, [0, 1]), line(16, [0, 2])])
     r = list(load_mooncake(path, block_tokens=10))
     assert shared_prefix(r[0].tokens, r[1].tokens) == 10
     with pytest.raises(WorkloadError, match="exceeds"):
@@ -174,7 +162,7 @@ MALFORMED = [
 @pytest.mark.parametrize(("bad", "what"), MALFORMED)
 def test_malformed_line_names_file_and_line(tmp_path: Path, bad: str, what: str) -> None:
     # Line 2 is blank: blank lines are ignored but still count in the line numbers.
-    path = write_trace(tmp_path, [GOOD, "", bad, GOOD])
+    path = write_trace(tmp_path / "trace.jsonl", [GOOD, "", bad, GOOD])
     with pytest.raises(WorkloadError, match=what) as info:
         list(load_mooncake(path))
     assert f"{path}:3: " in str(info.value)
@@ -189,7 +177,7 @@ def test_non_utf8_line(tmp_path: Path) -> None:
 
 def test_skip_mode_counts_lines(tmp_path: Path) -> None:
     bad = [text for text, _ in MALFORMED]
-    path = write_trace(tmp_path, [GOOD, "", *bad, "   ", GOOD])
+    path = write_trace(tmp_path / "trace.jsonl", [GOOD, "", *bad, "   ", GOOD])
     w = load_mooncake(path, on_error="skip")
     assert [r.rid for r in w] == [0, 1]
     assert w.num_skipped == len(bad)
@@ -198,7 +186,7 @@ def test_skip_mode_counts_lines(tmp_path: Path) -> None:
 
 
 def test_limit_stops_before_later_bad_lines(tmp_path: Path) -> None:
-    path = write_trace(tmp_path, [GOOD, "{not json"])
+    path = write_trace(tmp_path / "trace.jsonl", [GOOD, "{not json"])
     assert len(list(load_mooncake(path, limit=1))) == 1
 
 
@@ -295,7 +283,7 @@ def test_load_workload_specs(trace: Path) -> None:
 
 
 def test_max_tokens_refuses_longer_lines_before_expanding(tmp_path: Path) -> None:
-    path = write_trace(tmp_path, [GOOD, line(3 * BLOCK, [0, 1, 2]), GOOD])
+    path = write_trace(tmp_path / "trace.jsonl", [GOOD, line(3 * BLOCK, [0, 1, 2]), GOOD])
     with pytest.raises(WorkloadError, match=r":2: input_length 1,536 exceeds the 1,024 tokens"):
         list(load_mooncake(path, max_tokens=2 * BLOCK))
     w = load_workload(str(path), on_error="skip", max_tokens=2 * BLOCK)

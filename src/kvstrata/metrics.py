@@ -109,28 +109,28 @@ class CacheMetrics:
             gauge, "pages_used", "Pages in use (cached, running or reserved).", ["tier", "lane"]
         )
         total = fam(gauge, "pages_total", "Pages of the tier's pool.", ["tier", "lane"])
-        _lanes(used, total, "l1", e.allocator)
-        if e.host_allocator is not None:
-            _lanes(used, total, "l2", e.host_allocator)
+        _lanes(used, total, "l1", e.cache.allocator)
+        if e.cache.host_allocator is not None:
+            _lanes(used, total, "l2", e.cache.host_allocator)
         hits = fam(counter, "hit_tokens", "Prompt tokens served from each tier.", ["tier"])
         for tier, tokens in e.hit_tokens.items():
             hits.add_metric([tier.name.lower()], tokens)
         pages = fam(counter, "moved_pages", "Pages copied between tiers (landed).", ["direction"])
         moved = fam(counter, "moved_bytes", "Bytes copied between tiers (landed).", ["direction"])
-        stats = e.transfer_stats()
+        stats = e.cache.transfer_stats()
         for direction in ("d2h", "h2d"):
             pages.add_metric([direction], getattr(stats, f"{direction}_pages") if stats else 0)
             moved.add_metric([direction], getattr(stats, f"{direction}_bytes") if stats else 0)
         flight = fam(gauge, "copies_in_flight", "Copy tickets not yet settled.", ["kind"])
-        flight.add_metric(["backup"], e.ledger.in_flight(TicketKind.BACKUP))
-        flight.add_metric(["load"], e.ledger.in_flight(TicketKind.LOAD))
+        flight.add_metric(["backup"], e.cache.ledger.in_flight(TicketKind.BACKUP))
+        flight.add_metric(["load"], e.cache.ledger.in_flight(TicketKind.LOAD))
         queue = fam(gauge, "queue_depth", "Requests waiting for admission / running.", ["queue"])
         queue.add_metric(["waiting"], len(e.waiting))
         queue.add_metric(["running"], len(e.running))
         backups = fam(counter, "backups", "L1 -> L2 backups by outcome.", ["outcome"])
         loads = fam(counter, "load_backs", "L2 -> L1 load-backs by outcome.", ["outcome"])
-        b = e.backups.stats if e.backups is not None else None
-        ld = e.loads.stats if e.loads is not None else None
+        b = e.cache.backups.stats if e.cache.backups is not None else None
+        ld = e.cache.loads.stats if e.cache.loads is not None else None
         for outcome in ("done", "skipped", "failed"):
             backups.add_metric([outcome], getattr(b, outcome) if b else 0)
         loads.add_metric(["done"], ld.loads if ld else 0)
@@ -160,7 +160,7 @@ class CacheMetrics:
     def _disk(self, counter: Any, used: Any, total: Any) -> list[Metric]:
         """The disk tier (L3), when the engine has one: its slots as a tier's pages, what the
         engine did with it, and the store's own counters (I/O, verification, GC)."""
-        disk = self.engine.disk
+        disk = self.engine.cache.disk
         if disk is None:
             return []
         store = disk.store.stats()

@@ -55,9 +55,10 @@ class Timeline:
 
     def on_start(self, run: ReplayRun) -> None:
         engine = run.engine
-        self.l1_pages = engine.allocator.num_pages
-        self.l2_pages = engine.host_allocator.num_pages if engine.host_allocator else 0
-        self.l3_pages = engine.disk.store.num_slots if engine.disk is not None else 0
+        self.l1_pages = engine.cache.allocator.num_pages
+        self.l2_pages = engine.cache.host_allocator.num_pages if engine.cache.host_allocator else 0
+        disk = engine.cache.disk
+        self.l3_pages = disk.store.num_slots if disk is not None else 0
         self.clock_kind = run.clock.kind
         self._record(run)
 
@@ -76,8 +77,8 @@ class Timeline:
         """Append a sample; when that fills the timeline (unless it is the final one, which is
         always kept), drop every other sample and double the stride."""
         engine, tally = run.engine, run.tally
-        stats = engine.transfer_stats()
-        host = engine.host_allocator
+        stats = engine.cache.transfer_stats()
+        host = engine.cache.host_allocator
         row = (
             engine.steps,
             run.clock.now(),
@@ -86,9 +87,9 @@ class Timeline:
             tally.cached_tokens - tally.l2_cached_tokens,
             tally.l2_cached_tokens - tally.l3_cached_tokens,
             tally.l3_cached_tokens,
-            engine.allocator.num_used,
+            engine.cache.allocator.num_used,
             host.num_used if host is not None else 0,
-            engine.disk.store.pool.num_used if engine.disk is not None else 0,
+            disk.store.pool.num_used if (disk := engine.cache.disk) is not None else 0,
             stats.d2h_bytes if stats else 0,
             stats.h2d_bytes if stats else 0,
         )

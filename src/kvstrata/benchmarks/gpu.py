@@ -125,8 +125,12 @@ class _Server:
         self, compute: ModelCompute, config: EngineConfig, copy: KernelConfig | None = None
     ) -> None:
         self.engine = Engine(compute, config)
-        if copy is not None and self.engine.transfer is not None and self.engine.transfer.cuda:
-            self.engine.transfer.use_kernel(copy)
+        if (
+            copy is not None
+            and self.engine.cache.transfer is not None
+            and self.engine.cache.transfer.cuda
+        ):
+            self.engine.cache.transfer.use_kernel(copy)
         self.rid = 0
 
     def serve(self, tokens: np.ndarray) -> Finished:
@@ -144,7 +148,7 @@ class _Server:
     def demote_l1(self) -> None:
         """Evict every unlocked L1 page: nodes backed up in L2 become host-only."""
         engine = self.engine
-        engine.allocator.free(engine.tree.evict(engine.allocator.num_pages))
+        engine.cache.allocator.free(engine.cache.tree.evict(engine.cache.allocator.num_pages))
 
 
 def ttft(
@@ -200,11 +204,11 @@ def _copy_alone(engine: Engine, num_pages: int, copy: KernelConfig | None) -> tu
     """Device ms of a load-back's H2D copy of ``num_pages`` pages (every layer) on its stream
     (host ms on the CPU), median of 5 after 2 warm-ups, into free device pages (a Transfer of its
     own, so no engine ticket is touched)."""
-    assert engine.host_pool is not None
-    transfer = Transfer(engine.pool, engine.host_pool, kernel=copy)
-    device_pages = engine.allocator.alloc(0, num_pages)
+    assert engine.cache.host_pool is not None
+    transfer = Transfer(engine.cache.pool, engine.cache.host_pool, kernel=copy)
+    device_pages = engine.cache.allocator.alloc(0, num_pages)
     assert device_pages is not None, "the TTFT pool has no room for the copy"
-    host_slots = np.random.default_rng(0).permutation(engine.host_pool.num_slots)[:num_pages]
+    host_slots = np.random.default_rng(0).permutation(engine.cache.host_pool.num_slots)[:num_pages]
     stream = transfer.stream("h2d")
     times = []
     for ticket in range(7):
@@ -212,9 +216,9 @@ def _copy_alone(engine: Engine, num_pages: int, copy: KernelConfig | None) -> tu
         if stream is not None:
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record(stream)
-        for layer in range(engine.pool.layout.num_layers):
+        for layer in range(engine.cache.pool.layout.num_layers):
             transfer.h2d(ticket, layer, host_slots, device_pages)
-        transfer.close(ticket, engine.pool.layout.num_layers)
+        transfer.close(ticket, engine.cache.pool.layout.num_layers)
         if stream is not None:
             end.record(stream)
         transfer.wait(ticket)
@@ -222,8 +226,8 @@ def _copy_alone(engine: Engine, num_pages: int, copy: KernelConfig | None) -> tu
             start.elapsed_time(end) if stream is not None else 1000 * (time.perf_counter() - t0)
         )
         transfer.poll()
-    engine.allocator.free(device_pages)
-    return statistics.median(times[2:]), num_pages * engine.pool.page_bytes
+    engine.cache.allocator.free(device_pages)
+    return statistics.median(times[2:]), num_pages * engine.cache.pool.page_bytes
 
 
 def write_through(
@@ -250,7 +254,7 @@ def write_through(
             f = server.serve(rng.integers(0, compute.vocab_size, n))
             if i:  # the first round warms up
                 times[name].append(f.ttft_s)
-    assert on.engine.backups is not None and on.engine.backups.stats.done > 0
+    assert on.engine.cache.backups is not None and on.engine.cache.backups.stats.done > 0
     return 1000 * statistics.median(times["on"]), 1000 * statistics.median(times["off"])
 
 

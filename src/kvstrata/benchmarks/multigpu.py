@@ -131,7 +131,7 @@ class _Server:
         return finished, seconds
 
     def digest(self) -> tuple[str, str]:
-        return self.engine.allocator.digest(), self.engine.tree.digest()
+        return self.engine.cache.allocator.digest(), self.engine.cache.tree.digest()
 
 
 def _config(cfg: dict[str, Any], group: Group, tokens: int, **extra: Any) -> EngineConfig:
@@ -165,7 +165,7 @@ def correctness(compute: ModelCompute, group: Group, cfg: dict[str, Any]) -> dic
         logits = torch.stack([row.float() for row in rows if row is not None]).numpy()
     return {
         "logits": logits,
-        "digest": (engine.allocator.digest(), engine.tree.digest()),
+        "digest": (engine.cache.allocator.digest(), engine.cache.tree.digest()),
         "cached_tokens": sum(f.cached_len for f in out.values()),
     }
 
@@ -267,16 +267,16 @@ def capacity(compute: ModelCompute, group: Group, cfg: dict[str, Any]) -> dict[s
     server = _Server(compute, config, group)
     rng = np.random.default_rng(cfg["seed"] + 3)
     engine = server.engine
-    lanes = engine.allocator.config.slots_per_rank
+    lanes = engine.cache.allocator.config.slots_per_rank
     best, stored, served = 0, 0, 0
     while True:
         server.serve(rng.integers(0, compute.vocab_size, n))
         served += 1
-        cached = engine.tree.num_pages * PAGE
+        cached = engine.cache.tree.num_pages * PAGE
         if cached <= best:  # eviction started: the pool is full
             break
         best = cached
-        stored = (lanes - int(engine.allocator.free_per_lane()[group.rank])) * PAGE
+        stored = (lanes - int(engine.cache.allocator.free_per_lane()[group.rank])) * PAGE
     return {
         "cached_tokens": best,
         "stored_tokens": stored,

@@ -18,7 +18,9 @@ pages and frees the rest.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +28,7 @@ import numpy.typing as npt
 from ..cache.allocator import PageAllocator
 from ..cache.keys import TokenKey
 from ..cache.radix import Node, RadixTree
+from ..errors import DiskStoreError
 from ..ownership import owners
 from ..residency import Tier
 from .disk_store import DiskStore
@@ -46,6 +49,15 @@ class DiskStatsView:
     reloaded_pages: int = 0
     reload_misses: int = 0  # pages the index had but that did not read back verified
     hit_tokens: int = 0  # tokens requests got from disk (then loaded back like host hits)
+
+
+class SpillItem(NamedTuple):
+    """Committed host pages to spill: ``hashes[i]`` is the address of ``host_pages[i]``."""
+
+    node: Node  # the lowest node holding them
+    hashes: list[bytes]
+    host_pages: IntArray
+    hits: int
 
 
 @dataclass
@@ -70,26 +82,32 @@ class DiskTier:
     ledger: TicketLedger
     rank: int = 0
     stats: DiskStatsView = field(default_factory=DiskStatsView)
-    _spills: dict[int, Node] = field(default_factory=dict)  # ledger ticket -> host-locked node
+    _spills: dict[int, list[Node]] = field(default_factory=dict)  # ticket -> host-locked nodes
     _reloads: dict[int, _Reload] = field(default_factory=dict)
 
     # -- spill -----------------------------------------------------------------------------------
 
-    def spill(self, node: Node, hashes: list[bytes], host_pages: IntArray, hits: int) -> None:
-        """Hand committed host pages (``hashes[i]`` is the address of ``host_pages[i]``) to the
-        store; ``node`` (the lowest node holding them) stays host-locked until they are read."""
-        if node.dead or not node.on_host:
+    def spill(self, batch: list[SpillItem]) -> None:
+        """Hand committed host pages to the store as one job under one ticket (every backup a
+        settle committed, in commit order). Each item's node (the lowest node holding its pages)
+        stays host-locked until the store has gathered them."""
+        batch = [item for item in batch if not item.node.dead and item.node.on_host]
+        if not batch:
             return
         ticket = self.ledger.issue(TicketKind.SPILL)
         cp = self.tree.cp_size
-        own = host_pages % cp == self.rank
-        pages = [
-            (h, int(p) // cp, hits) for h, p, o in zip(hashes, host_pages, own, strict=True) if o
-        ]
-        # Locked on every rank alike, whatever this rank's store does: the lock is replicated
-        # state, released when the frontier covers the ticket.
-        self.tree.host_lock(node)
-        self._spills[ticket] = node
+        pages = []
+        for item in batch:
+            own = item.host_pages % cp == self.rank
+            pages += [
+                (h, int(p) // cp, item.hits)
+                for h, p, o in zip(item.hashes, item.host_pages, own, strict=True)
+                if o
+            ]
+            # Locked on every rank alike, whatever this rank's store does: the lock is replicated
+            # state, released when the frontier covers the ticket.
+            self.tree.host_lock(item.node)
+        self._spills[ticket] = [item.node for item in batch]
         try:
             accepted = self.store.spill(ticket, pages, self.host_pool)
         except Exception:  # any store fault is a skipped spill (counted), never a lost lock
@@ -99,6 +117,22 @@ class DiskTier:
             self.ledger.finish(ticket, ok=False, error="the disk store refused the spill")
             return
         self.stats.spills += 1
+
+    def wait_in_flight(self, timeout_s: float) -> float:
+        """Block until every spill and reload handed to the store has finished (the engine's
+        fixed point: what the disk does between two steps is then the same on every run, however
+        fast it is); the seconds waited. A disk that does not finish within ``timeout_s`` stops
+        the run: its reader may still write into host pages, which must not be reused."""
+        if not self._spills and not self._reloads:
+            return 0.0
+        t0 = time.perf_counter()
+        if not self.store.flush(timeout_s):
+            raise DiskStoreError(
+                f"rank {self.rank}: the disk tier's I/O did not finish within {timeout_s:g} s "
+                f"({len(self._spills)} spills, {len(self._reloads)} reloads in flight); the disk "
+                f"under {self.store.config.root} stopped answering"
+            )
+        return time.perf_counter() - t0
 
     # -- reload ----------------------------------------------------------------------------------
 
@@ -188,8 +222,7 @@ class DiskTier:
                 self.ledger.finish(reloaded.ticket, ok=whole, error=error)
 
     def settle_spill(self, ticket: int) -> None:
-        node = self._spills.pop(ticket, None)
-        if node is not None:
+        for node in self._spills.pop(ticket, []):
             self.tree.host_unlock(node)
 
     def settle_reload(self, ticket: int, ok: bool) -> tuple[int, int] | None:
@@ -232,7 +265,7 @@ class DiskTier:
 
     @property
     def host_locks(self) -> int:
-        return len(self._spills) + sum(
+        return sum(len(nodes) for nodes in self._spills.values()) + sum(
             1 for r in self._reloads.values() if r.parent is not self.tree.root
         )
 

@@ -1,0 +1,244 @@
+"""``kvstrata check-model``, ``kvstrata bench`` and ``kvstrata disk``: the tools beside the jobs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+from collections.abc import Callable
+from typing import Any
+
+from ..check_model import check_model
+from ..command import EXIT_FAILED, EXIT_OK, HelpFormatter
+
+#: ``kvstrata bench NAME`` runs ``run_main`` of ``kvstrata.benchmarks`` module
+#: :func:`bench_module` ``(NAME)``: NAME itself, with its hyphens dropped (``multi-gpu``).
+BENCHMARKS = (
+    "radix",
+    "prefill",
+    "planner",
+    "transfer",
+    "workload",
+    "memory",
+    "cp",
+    "disk",
+    "attention",
+    "gpu",
+    "replay",
+    "multi-gpu",
+    "tiers",
+)
+
+
+#: ``kvstrata check-model``'s defaults: :func:`~kvstrata.check_model.check_model`'s own.
+CHECK_DEFAULTS: dict[str, Any] = {
+    name: param.default
+    for name, param in inspect.signature(check_model).parameters.items()
+    if param.default is not param.empty
+}
+
+
+def bench_module(name: str) -> str:
+    """The module under ``kvstrata.benchmarks`` that runs ``kvstrata bench NAME``."""
+    return name.replace("-", "")
+
+
+def check_model_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check-model",
+        help="compare a checkpoint's logits with transformers",
+        description="Load a checkpoint (or a preset, saved first as a checkpoint) with kvstrata and "
+        "with transformers, run a few prompts of awkward lengths, and report the largest |logit "
+        "difference| and argmax agreement. Exits 1 past the tolerance or on any NaN/inf logit.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument(
+        "model",
+        help="a Hugging Face checkpoint directory (config.json + *.safetensors) or a preset "
+        "(tiny, tiny-qwen2, tiny-qwen3, small, llama-3.2-1b)",
+    )
+    p.add_argument(
+        "--device", default=CHECK_DEFAULTS["device"], help="torch device, e.g. cpu or cuda"
+    )
+    p.add_argument(
+        "--dtype",
+        default=CHECK_DEFAULTS["dtype"],
+        help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=CHECK_DEFAULTS["page_size"],
+        help="tokens per KV page; prompts straddle page boundaries and one reads a cached prefix "
+        "of whole pages back from the pool",
+    )
+    p.add_argument(
+        "--atol",
+        type=float,
+        default=CHECK_DEFAULTS["atol"],
+        help="largest |logit difference| accepted (default: 1e-3 in float32, 0.5 otherwise)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON, last line")
+    p.set_defaults(func=_run_check_model)
+
+
+def _run_check_model(args: argparse.Namespace) -> int:
+    report = check_model(
+        args.model, device=args.device, dtype=args.dtype, page_size=args.page_size, atol=args.atol
+    )
+    verdict = "OK" if report.ok else "FAIL"
+    print(f"model              {report.model} ({report.architecture})")
+    print(f"prompt lengths     {', '.join(map(str, report.lengths))}")
+    print(f"max |logit diff|   {report.max_abs_logit_diff:.3g} (tolerance {report.atol:g})")
+    print(f"argmax agreement   {report.argmax_agree:.4f}")
+    print(
+        f"non-finite logits  {report.nonfinite_ours:,} kvstrata, "
+        f"{report.nonfinite_theirs:,} transformers"
+    )
+    if report.nonfinite_weights:
+        names = ", ".join(report.nonfinite_weight_names)
+        more = report.nonfinite_weights - len(report.nonfinite_weight_names)
+        print(
+            f"non-finite weights {report.nonfinite_weights:,}: {names}"
+            + (f" and {more:,} more" if more else "")
+        )
+    print(f"verdict            {verdict}")
+    if args.json:
+        print(json.dumps({**report.__dict__, "ok": report.ok}))
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks (" + ", ".join(BENCHMARKS) + "); each prints a table and a JSON line",
+        description="Run a benchmark. Arguments after the name go to the benchmark "
+        "(kvstrata bench radix --help).",
+    )
+    p.add_argument("name", choices=BENCHMARKS, metavar="NAME", help=", ".join(BENCHMARKS))
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS", help="the benchmark's flags")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"..benchmarks.{bench_module(args.name)}", __package__)
+    run_main: Callable[[list[str]], int] = module.run_main
+    return run_main(args.rest)
+
+
+def disk_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "disk",
+        help="the disk tier (L3): audit a directory, remove idle namespaces",
+        description="Tools for a disk tier directory (slabs/ and index/ under it).",
+    )
+    actions = p.add_subparsers(dest="disk_command", required=True, metavar="ACTION")
+    c = actions.add_parser(
+        "check",
+        help="audit slabs against the index; --fix repairs",
+        description="Audit a disk tier directory: every index entry must name a slot of a valid, "
+        "full-length slab whose header (and payload CRC) holds that page, with all its payloads "
+        "in one slot and no two pages in one slot. Prints every inconsistency. With --fix, drops "
+        "the index entries of pages that do not check out (they become misses), extends "
+        "truncated slabs, removes slab files of kvstrata's name pattern that are not valid and "
+        "rebuilds a damaged index from the slot headers, then audits again. Without --fix "
+        "nothing is written. A namespace and rank a running store holds is reported in use and "
+        "not checked. Exit status 0 only when the directory is clean (after --fix: when the "
+        "repair left it clean), 1 when it is not, 2 when DIR is not a disk tier directory.",
+        formatter_class=HelpFormatter,
+    )
+    c.add_argument("dir", metavar="DIR", help="the disk tier directory")
+    c.add_argument("--fix", action="store_true", help="repair what does not check out")
+    c.add_argument(
+        "--quick",
+        action="store_true",
+        help="check slot headers only (4 KiB a page), not the payload CRCs (the whole page)",
+    )
+    c.add_argument("--json", action="store_true", help="print the report as JSON, last line")
+    c.set_defaults(func=_run_disk_check)
+    g = actions.add_parser(
+        "gc",
+        help="remove the namespaces no store uses",
+        description="Remove the slabs and index of every namespace and rank under DIR that no "
+        "running store holds (--l3-gib bounds one store; every model, budget or cp size that "
+        "ran there left its own). Prints what went and the bytes freed.",
+        formatter_class=HelpFormatter,
+    )
+    g.add_argument("dir", metavar="DIR", help="the disk tier directory")
+    g.add_argument(
+        "--keep",
+        nargs="+",
+        default=[],
+        metavar="NS",
+        help="namespaces to keep (the 16 hex digits 'disk check' prints, or a prefix)",
+    )
+    g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    g.set_defaults(func=_run_disk_gc)
+
+
+def _run_disk_gc(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..tiers.disk_gc import collect
+
+    report = collect(Path(args.dir), keep=args.keep, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for name, nbytes in report.removed:
+        print(f"{verb:<12} {name}  {nbytes / 2**30:.3f} GiB")
+    for name in report.kept:
+        print(f"{'kept':<12} {name}")
+    for name in report.in_use:
+        print(f"{'in use':<12} {name}")
+    print(f"{'freed' if not args.dry_run else 'would free'}  {report.freed_bytes / 2**30:.3f} GiB")
+    return EXIT_OK
+
+
+def _run_disk_check(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..tiers.disk_audit import audit_directory
+
+    root = Path(args.dir)
+    report = audit_directory(root, fix=args.fix, payload=not args.quick)
+    found = report.all_problems
+    after = audit_directory(root, payload=not args.quick) if args.fix and found else report
+    print(f"directory   {root}")
+    for g in after.groups:
+        print(
+            f"group       ns {g.namespace.hex()[:16]} rank {g.rank}: {g.num_payloads} payloads, "
+            f"{g.num_slots:,} slots, {len(g.pages):,} pages check out"
+        )
+    for name in report.in_use:
+        print(f"in use      {name}: a running store holds it; not checked")
+    print(f"problems    {len(found)}")
+    for problem in found:
+        print(f"  {problem}")
+    if after.clean:
+        verdict = f"FIXED ({len(found)} repaired), clean" if found else "CLEAN"
+    else:
+        verdict = "DIRTY" + ("" if args.fix else " (kvstrata disk check --fix repairs it)")
+    if report.in_use:
+        verdict += f" ({len(report.in_use)} in use, not checked)"
+    print(f"verdict     {verdict}")
+    if args.json:
+        doc = {
+            "dir": str(root),
+            "clean": after.clean,
+            "fixed": bool(args.fix and found),
+            "problems": [{"kind": p.kind, "where": p.where, "detail": p.detail} for p in found],
+            "remaining": len(after.all_problems),
+            "in_use": report.in_use,
+            "groups": [
+                {
+                    "namespace": g.namespace.hex(),
+                    "rank": g.rank,
+                    "payloads": g.num_payloads,
+                    "slots": g.num_slots,
+                    "pages": len(g.pages),
+                }
+                for g in after.groups
+            ],
+        }
+        print(json.dumps(doc))
+    return EXIT_OK if after.clean else EXIT_FAILED

@@ -1,0 +1,49 @@
+"""Helpers shared by several test modules: running an engine to the end, and writing traces."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvstrata.engine import Engine, Finished
+from kvstrata.workloads import Request
+
+#: Steps after which :func:`run_all` calls an engine stuck: no test workload needs nearly so many.
+MAX_STEPS = 10_000
+
+
+def run_all(
+    engine: Engine, requests: Iterable[Request], check: bool = False
+) -> dict[int, Finished]:
+    """What :meth:`Engine.run` does, bounded: add ``requests``, step until nothing is left
+    (failing if that takes more than :data:`MAX_STEPS` steps), drain the copies in flight, and
+    return every outcome by request id; ``check``: every invariant after each step and at the
+    end."""
+    for r in requests:
+        engine.add(r)
+    out: dict[int, Finished] = {}
+    for _ in range(MAX_STEPS):
+        if not engine.has_work():
+            break
+        for f in engine.step():
+            out[f.rid] = f
+        if check:
+            engine.check()
+    assert not engine.has_work(), "the engine stopped making progress"
+    engine.drain()
+    if check:
+        engine.check()
+    return out
+
+
+def trace_line(input_length: int, hash_ids: list[int], timestamp: int = 0, **fields: object) -> str:
+    """One Mooncake trace line (each hash id a 512-token block)."""
+    row = {"timestamp": timestamp, "input_length": input_length, "hash_ids": hash_ids}
+    return json.dumps(row | fields)
+
+
+def write_trace(path: Path, lines: Iterable[str]) -> Path:
+    """A trace file of ``lines``, one per line, as given (malformed ones too)."""
+    path.write_text("\n".join(lines) + "\n")
+    return path
