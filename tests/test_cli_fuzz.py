@@ -367,5 +367,13 @@ def test_disk_check_positional(value: str) -> None:
 
 @given(value=BAD_VALUES)
 @settings(max_examples=30, derandomize=True, deadline=None)
+def test_disk_gc_positional(value: str) -> None:
+    code, _, err = run(["disk", "gc", value, "--keep", value])
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("kvstrata disk: error: "), err
+
+
+@given(value=BAD_VALUES)
+@settings(max_examples=30, derandomize=True, deadline=None)
 def test_check_model_positional(value: str) -> None:
     check_outcome("check-model", ["check-model", value])

@@ -57,7 +57,8 @@ class Timeline:
         engine = run.engine
         self.l1_pages = engine.cache.allocator.num_pages
         self.l2_pages = engine.cache.host_allocator.num_pages if engine.cache.host_allocator else 0
-        self.l3_pages = engine.cache.disk.store.num_slots if engine.cache.disk is not None else 0
+        disk = engine.cache.disk
+        self.l3_pages = disk.store.num_slots if disk is not None else 0
         self.clock_kind = run.clock.kind
         self._record(run)
 
@@ -88,7 +89,7 @@ class Timeline:
             tally.l3_cached_tokens,
             engine.cache.allocator.num_used,
             host.num_used if host is not None else 0,
-            engine.cache.disk.store.pool.num_used if engine.cache.disk is not None else 0,
+            disk.store.pool.num_used if (disk := engine.cache.disk) is not None else 0,
             stats.d2h_bytes if stats else 0,
             stats.h2d_bytes if stats else 0,
         )

@@ -52,7 +52,7 @@ class Claim(NamedTuple):
     pages: IntArray  # one device page per page of the whole sequence
     cached_len: int
     host_len: int  # of cached_len, being loaded back from L2
-    disk_len: int  # of host_len, brought from L3 by a reload
+    disk_len: int = 0  # of host_len, brought from L3 by a reload
 
 
 class Moved(NamedTuple):

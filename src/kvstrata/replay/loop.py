@@ -114,7 +114,6 @@ def _run(
 ) -> ReplaySummary:
     """Check what can be checked, build the engine, replay, verify, summarise."""
     _agree_on_config(group, cfg)
-    # A collective on every rank (under CP rank 0 makes this run's handoff subdirectory).
     transport = handoff_transport(cfg, group) if cfg.decode_tokens else None
     shape = compute_shape(cfg, compute)
     # Under CP a request spreads over every rank's pool, so cp pools bound its length.
@@ -146,9 +145,8 @@ def _run(
                 verify = verify_sample(cfg, compute, sample, progress, transport)
             except KeyboardInterrupt:
                 driven = driven._replace(interrupted=True)
-            finally:
-                if isinstance(transport, DirectoryTransport):
-                    transport.close()  # this run's subdirectory, and only its own parts
+    if group.rank == 0 and isinstance(transport, DirectoryTransport):
+        transport.close()  # this run's subdirectory, and only its own parts
     return summarize(run, group, source, compute, driven, verify)
 
 

@@ -142,8 +142,8 @@ def prefill_uncached(
 
 
 def send_handoffs(transport: HandoffTransport | None, sample: VerifySample) -> None:
-    """With ``--decode-tokens`` (a transport): hand this rank's part of each sampled request's KV
-    to rank 0's decoder."""
+    """With ``--decode-tokens`` (a ``transport``): hand this rank's part of each sampled
+    request's KV to rank 0's decoder."""
     if transport is None:
         return
     for f in sample.finished.values():
