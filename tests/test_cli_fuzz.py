@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import io
 import json
+import shutil
 import tempfile
 from unittest import mock
 
@@ -132,6 +133,22 @@ BASE = {
         "1",
         "--io-mode",
         "buffered",
+    ],
+    "bench remote": [
+        "bench",
+        "remote",
+        "--gib",
+        "0.0001",
+        "--layers",
+        "1",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--page-size",
+        "4",
+        "--repeat",
+        "1",
     ],
     "disk": ["disk", "check"],  # its value: the directory (test_disk_check_positional)
     "bench transfer": [
@@ -307,6 +324,13 @@ def test_bench_memory_flags() -> None:
 @pytest.mark.slow
 def test_bench_disk_flags() -> None:
     fuzz("bench disk", 20)  # a valid value runs dd
+
+
+@pytest.mark.slow
+def test_bench_remote_flags() -> None:
+    if shutil.which("redis-server") is None or shutil.which("redis-benchmark") is None:
+        pytest.skip("redis-server / redis-benchmark are not installed (scripts/setup.sh)")
+    fuzz("bench remote", 15)  # a valid value starts a redis-server and runs redis-benchmark
 
 
 @given(value=BAD_VALUES)

@@ -61,6 +61,7 @@ BENCHMARKS = (
     "memory",
     "cp",
     "disk",
+    "remote",
     "attention",
     "gpu",
     "replay",

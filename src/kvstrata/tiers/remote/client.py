@@ -8,8 +8,9 @@ from the store for an interval, so a dead or paused store costs one timeout per 
 per call. Server-side refusals of single commands (an OOM under ``noeviction``, a read-only
 replica) come back as :class:`CommandError` in the result list, not raised.
 
-Large values are sent by redis-py's Python command packer, which hands a memoryview to the socket
-as is; the hiredis packer (the default where hiredis is installed) copies every value twice.
+A value is sent as its header and then the host pool's bytes themselves (``_Packer``, redis-py's
+Python command packer taught :class:`~.values.PageValue`); the hiredis packer (the default where
+hiredis is installed) would copy every value twice more.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from redis.connection import Connection, PythonRespSerializer
 from redis.retry import Retry
 
 from .config import RemoteAddress
+from .values import PageValue
 
 log = logging.getLogger("kvstrata.remote")
 #: Keys a SCAN asks for per round trip.
@@ -52,11 +54,33 @@ class CommandError(Exception):
     """The server refused one command of a pipeline (its message says why)."""
 
 
+class _Packer(PythonRespSerializer):
+    """redis-py's Python command packer, which also sends a :class:`~.values.PageValue`
+    argument as its header and the host pool's own bytes: no copy on the way to the socket."""
+
+    def pack(self, *args: Any) -> list[bytes | memoryview]:
+        if not any(isinstance(a, PageValue) for a in args):
+            return super().pack(*args)
+        assert isinstance(args[0], str) and " " not in args[0], "one-word commands only"
+        out: list[bytes | memoryview] = []
+        buff = b"*%d\r\n" % len(args)
+        for arg in args:
+            if isinstance(arg, PageValue):
+                out.append(buff + b"$%d\r\n" % arg.nbytes + arg.header)
+                out.extend(arg.parts)
+                buff = b"\r\n"
+            else:
+                enc = self.encode(arg)
+                buff += b"$%d\r\n%s\r\n" % (len(enc), enc)
+        out.append(buff)
+        return out
+
+
 class _Connection(Connection):
     """A redis-py connection that sends large values without copying them."""
 
     def _construct_command_packer(self, packer: Any) -> Any:
-        return PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+        return _Packer(self._buffer_cutoff, self.encoder.encode)
 
 
 _TUNED = threading.Lock()
@@ -216,7 +240,7 @@ class RedisClient:
         return [r if isinstance(r, CommandError) else bool(r) for r in self._pipeline(build)]
 
     def set_new(
-        self, items: Sequence[tuple[bytes, memoryview]], ttl_s: int
+        self, items: Sequence[tuple[bytes, PageValue]], ttl_s: int
     ) -> list[bool | CommandError]:
         """SET NX (with EX ``ttl_s`` when > 0) of each item: True where the key was new."""
 

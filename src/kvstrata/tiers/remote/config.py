@@ -132,7 +132,7 @@ class RemoteConfig:
     breaker_s: float = 5.0
     min_hits: int = 1
     ttl_s: int = 0
-    batch_pages: int = 16
+    batch_pages: int = 4
     threads: int = 2
     max_tickets: int = 64
     tune_malloc: bool = True

@@ -61,7 +61,7 @@ class _Job:
     host_pool: HostPool
     order: list[bytes]  # the pages, in the caller's order
     pending: int  # batches not finished
-    gathering: int = 0  # publish: batches that have not copied their pages out yet
+    gathering: int = 0  # publish: batches that have not sent their pages yet
     skipped: list[bytes] = field(default_factory=list)
     written: set[bytes] = field(default_factory=set)
     present: set[bytes] = field(default_factory=set)
@@ -195,7 +195,7 @@ class RemoteStore:
 
         Returns False when refused (``max_tickets`` in flight, or closed): nothing was queued and
         the host slots are the caller's again. Otherwise ``poll()`` reports the ticket in
-        ``released`` once its host slots were copied (keep them pinned until then), and in
+        ``released`` once its host slots were sent (keep them pinned until then), and in
         ``published`` when every page is in the store, failed, or skipped by admission."""
         self._raise_crash()
         self._check_args([h for h, _, _ in pages], host_pool, [s for _, s, _ in pages])
@@ -240,9 +240,9 @@ class RemoteStore:
                 for h, slot in (pages[i],)
                 for k in self._kinds
             ]
-            self._gathered(job)
-            gathered = True
             stored = self._call(lambda c: c.set_new(items, self.config.ttl_s))
+            self._gathered(job)  # sent: the host pool's bytes are not read again
+            gathered = True
             for j, i in enumerate(todo):
                 res = stored[j * n : (j + 1) * n]
                 errors = [r for r in res if isinstance(r, CommandError)]

@@ -18,6 +18,7 @@ namespace, page, payload or geometry fails, and so does any flipped bit.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,21 +52,34 @@ def value_bytes(namespace: Namespace, kind: int) -> int:
     return SLOT_HEADER_BYTES + namespace.payload_bytes(kind)
 
 
+@dataclass(frozen=True, slots=True)
+class PageValue:
+    """One value to SET without copying it: its header, then views of the payload's bytes in
+    the host pool (one per layer in ``layer_first``, one in ``page_first``). The host slot must
+    not change until the SET was sent (``client.RedisClient.set_new`` returns)."""
+
+    header: bytes
+    parts: tuple[memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(len(p) for p in self.parts)
+
+
 def encode_value(
     namespace: Namespace, kind: int, page_hash: bytes, host_pool: HostPool, host_slot: int
-) -> memoryview:
-    """Payload ``kind`` of host slot ``host_slot``, copied out behind its slot header."""
+) -> PageValue:
+    """Payload ``kind`` of host slot ``host_slot`` behind its slot header (CRC over the host
+    pool's bytes in place)."""
     spec = namespace.payloads[kind]
-    payload_len = namespace.payload_bytes(kind)
-    buf = bytearray(SLOT_HEADER_BYTES + payload_len)
-    at = ctypes.addressof(ctypes.c_char.from_buffer(buf)) + SLOT_HEADER_BYTES
-    for src in host_page_bytes(host_pool, spec.name, host_slot):
-        # memmove releases the GIL and, unlike a torch copy, never fans out to the intra-op pool
-        ctypes.memmove(at, src.data_ptr(), src.numel())
-        at += src.numel()
-    view = memoryview(buf)
-    SlotHeader(kind, page_hash, payload_len, crc32c(view[SLOT_HEADER_BYTES:])).pack_into(view)
-    return view
+    views = host_page_bytes(host_pool, spec.name, host_slot)
+    parts = tuple(memoryview(t.numpy().data) for t in views)  # 1-D uint8: len() is bytes
+    crc = 0
+    for part in parts:
+        crc = crc32c(part, crc)
+    header = bytearray(SLOT_HEADER_BYTES)
+    SlotHeader(kind, page_hash, namespace.payload_bytes(kind), crc).pack_into(memoryview(header))
+    return PageValue(bytes(header), parts)
 
 
 def check_value(namespace: Namespace, kind: int, page_hash: bytes, value: bytes) -> str | None:
