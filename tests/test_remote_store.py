@@ -262,6 +262,49 @@ def test_paused_store_costs_one_timeout_per_interval(redis_server: RedisServer) 
         assert all(read_page(dst, i) == expected_page(dst, h) for i, h in enumerate(pages))
 
 
+@pytest.mark.parametrize("fault", ["kill", "pause"])
+def test_fault_mid_transfer_ends_every_ticket(redis_server: RedisServer, fault: str) -> None:
+    """The server dies (or stops) while publishes and fetches are in flight: every ticket still
+    ends, within the timeout's bound, with its pages counted as written, failed or missed, and
+    no fetched page holds a wrong byte."""
+    layout = KVLayout(
+        4, (PayloadSpec("k", (8, 64), "bfloat16"), PayloadSpec("v", (8, 64), "bfloat16"))
+    )
+    ns = Namespace.for_layout("mid-run", layout, PAGE)
+    pool, dst = host_pool(300, layout=layout), host_pool(300, layout=layout)
+    pages = hashes(300, ns=ns)
+    for slot, h in enumerate(pages):
+        write_page(pool, slot, h)
+    with open_store(redis_server.url, ns=ns, batch_pages=2) as store:
+        assert store.publish(1, [(h, i, 1) for i, h in enumerate(pages[:150])], pool)
+        assert store.flush(30)
+        store.poll()
+        fill(dst)
+        assert store.publish(2, [(h, i, 1) for i, h in enumerate(pages[150:], 150)], pool)
+        assert store.fetch(3, pages[:150], dst, list(range(150)))
+        t0 = time.monotonic()
+        redis_server.kill() if fault == "kill" else redis_server.pause()
+        try:
+            assert store.flush(10 * TIMEOUT_S + 5), "a ticket never ended"
+            assert time.monotonic() - t0 < 10 * TIMEOUT_S + 5
+            done = store.poll()
+        finally:
+            redis_server.resume()
+        (pub,), (got,) = done.published, done.fetched
+        assert done.released == (2,)
+        assert len(pub.written) + len(pub.present) + len(pub.failed) == 150
+        for i, good in enumerate(got.ok):
+            if good:
+                assert read_page(dst, i) == expected_page(dst, pages[i])
+            else:
+                assert untouched(dst, i)
+        stats = store.stats()
+        assert stats.hits + stats.misses == 150 and stats.verify_failures == 0
+        assert pub.failed, "the fault came after the transfer: nothing was tested"
+        assert stats.breaker_opens >= 1 and stats.timeouts + stats.connection_errors >= 1
+        store.check()
+
+
 def test_breaker_probes_once_per_interval() -> None:
     now = [0.0]
     b = Breaker(5.0, clock=lambda: now[0])
