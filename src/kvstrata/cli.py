@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ from .command import (
 )
 from .config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, WRITE_POLICIES
 from .model.attention import ATTENTION_BACKENDS
+from .tiers.remote.config import password_from_env
 
 if TYPE_CHECKING:
     from .replay import ReplayConfig, ReplayObserver, ReplayRun
@@ -302,6 +304,33 @@ def _engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         help="spill only pages used at least N times (their first use counts)",
     )
     p.add_argument(
+        "--remote",
+        default=None,
+        metavar="URL",
+        help="the shared tier in L3's place: a Redis store a fleet of instances shares, "
+        "redis://HOST:PORT[/DB] or redis+cluster://HOST:PORT[,HOST:PORT...]; a password in the "
+        "URL or REDIS_PASSWORD / REDISCLI_AUTH (needs an L2; not with --l3-dir yet)",
+    )
+    p.add_argument(
+        "--remote-gib",
+        type=float,
+        default=0.0,
+        help="this namespace's share of the store, in GiB, all ranks together",
+    )
+    p.add_argument(
+        "--remote-timeout-ms",
+        type=float,
+        default=500.0,
+        help="socket timeout of each round trip; a timeout opens the breaker (misses for 5 s)",
+    )
+    p.add_argument(
+        "--remote-min-hits",
+        type=int,
+        default=1,
+        metavar="N",
+        help="publish only pages used at least N times (their first use counts)",
+    )
+    p.add_argument(
         "--cp",
         type=int,
         default=1,
@@ -441,6 +470,11 @@ def _replay_config(args: argparse.Namespace) -> ReplayConfig:
             l3_gib=args.l3_gib,
             l3_start=args.l3_start,
             l3_min_hits=args.l3_min_hits,
+            remote_url=args.remote,
+            remote_gib=args.remote_gib,
+            remote_timeout_ms=args.remote_timeout_ms,
+            remote_min_hits=args.remote_min_hits,
+            remote_password=password_from_env(os.environ) if args.remote else None,
             cp_attention=args.cp_attention,
             check_digests=args.check_digests,
             chunk_size=args.chunk_size,

@@ -256,6 +256,7 @@ class TierReport:
     load_back_wait_ms: float
     l3_hit_tokens: int = 0
     l3: dict[str, int] | None = None  # the disk store's counters (spills, reads, GC, errors)
+    remote: dict[str, int] | None = None  # the shared store's (in L3's place): hits, breaker, ...
 
     @classmethod
     def of(cls, engine: Engine) -> TierReport | None:
@@ -283,9 +284,10 @@ class TierReport:
             l3_hit_tokens=engine.hit_tokens[Tier.L3],
             l3=(
                 dict(engine.cache.disk.store.stats().counters) | asdict(engine.cache.disk.stats)
-                if engine.cache.disk is not None
+                if engine.cache.disk is not None and engine.cache.remote is None
                 else None
             ),
+            remote=_remote_counters(engine),
         )
 
     def rows(self, cached_tokens: int) -> list[tuple[str, str]]:
@@ -302,6 +304,17 @@ class TierReport:
             if l3 is not None
             else []
         )
+        r = self.remote
+        if r is not None:
+            disk.append(
+                (
+                    "remote: published / fetched pages",
+                    f"{r['pages_written']:,} (+{r['pages_present']:,} there) / "
+                    f"{r['reloaded_pages']:,} (misses {r['misses']:,}, verify failures "
+                    f"{r['verify_failures']}, timeouts {r['timeouts']}, breaker opens "
+                    f"{r['breaker_opens']}, writes skipped {r['writes_skipped']:,})",
+                )
+            )
         return disk + [
             (
                 "hit tokens L1 / L2 / L3",
@@ -960,6 +973,10 @@ def _run(
             "l3_gib": cfg.engine.l3_gib if cfg.engine.l3_dir else None,
             "l3_start": cfg.engine.l3_start if cfg.engine.l3_dir else None,
             "l3_min_hits": cfg.engine.l3_min_hits if cfg.engine.l3_dir else None,
+            "remote": _shown_url(cfg.engine.remote_url),
+            "remote_gib": cfg.engine.remote_gib if cfg.engine.remote_url else None,
+            "remote_timeout_ms": cfg.engine.remote_timeout_ms if cfg.engine.remote_url else None,
+            "remote_min_hits": cfg.engine.remote_min_hits if cfg.engine.remote_url else None,
             "host_layout": cfg.engine.host_layout if cfg.engine.has_l2 else None,
             "write_policy": cfg.engine.write_policy if cfg.engine.has_l2 else None,
             "write_through_hits": cfg.engine.write_through_hits if cfg.engine.has_l2 else None,
@@ -1149,6 +1166,7 @@ def prefill_uncached(
         "l2_tokens": 0,
         "l2_gib": 0.0,
         "l3_dir": None,
+        "remote_url": None,  # the reference computes everything itself
     }
     solo = Engine(compute, EngineConfig(**fields), model_id=model_id)
     solo.keep_logits = {request.rid}
@@ -1268,6 +1286,26 @@ class _Decoder:
             acceptance_uncached=rate("uncached"),
             handoff_bytes=self.handoff_bytes,
         )
+
+
+def _shown_url(url: str | None) -> str | None:
+    """A store URL without its password (what the JSON shows)."""
+    from .tiers.remote.config import parse_url
+
+    return parse_url(url).shown if url is not None else None
+
+
+def _remote_counters(engine: Engine) -> dict[str, int] | None:
+    """The shared store's counters and what the engine did with it, when it has one."""
+    remote, disk = engine.cache.remote, engine.cache.disk
+    if remote is None or disk is None:
+        return None
+    stats = remote.stats()
+    return (
+        dict(stats.counters)
+        | asdict(disk.stats)
+        | {"writes_skipped": stats.writes_skipped, "used_bytes": stats.used_bytes}
+    )
 
 
 def model_id(cfg: ReplayConfig) -> str:

@@ -19,6 +19,7 @@ pages and frees the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +32,9 @@ from ..residency import Tier
 from .disk_store import DiskStore
 from .host_pool import HostPool
 from .tickets import TicketKind, TicketLedger
+
+if TYPE_CHECKING:  # the shared tier needs the remote extra (redis) only when it is used
+    from .remote.tier import RemotePages
 
 IntArray = npt.NDArray[np.int64]
 
@@ -66,7 +70,7 @@ class DiskTier:
     tree: RadixTree
     host_allocator: PageAllocator
     host_pool: HostPool
-    store: DiskStore
+    store: DiskStore | RemotePages  # the disk, or the shared store in its place
     ledger: TicketLedger
     rank: int = 0
     stats: DiskStatsView = field(default_factory=DiskStatsView)
