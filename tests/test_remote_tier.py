@@ -214,3 +214,43 @@ def test_cp2_instances_share_one_store_with_digests_checked(redis_server: RedisS
     assert second["verify"]["ok"] and second["verify"]["payload_mismatched_bytes"] == 0
     assert second["hit_tokens_by_tier"]["l3"] > first["hit_tokens_by_tier"]["l3"]
     assert second["tiers"]["remote"]["hits"] > 0
+
+
+@pytest.mark.parametrize("fault", ["kill", "pause"])
+def test_a_store_that_dies_or_stops_mid_replay_changes_no_byte(
+    redis_server: RedisServer, fault: str
+) -> None:
+    """The store is killed (then restarted empty) or paused past the timeout between two halves
+    of a replay: every request still finishes with the bytes it would have uncached, the faults
+    are counted, and the breaker keeps the paused store from costing a timeout per request."""
+    requests = builtin(1000, seed=13, n_requests=60)
+    engine = Engine(SyntheticCompute(8, 1000), config(redis_server.url), model_id="none:8")
+    engine.keep_logits = {r.rid for r in requests}
+    try:
+        out = run_all(engine, requests[:30])
+        t0 = time.monotonic()
+        if fault == "kill":
+            redis_server.kill()
+            out |= run_all(engine, requests[30:45])
+            redis_server.start()
+            time.sleep(0.6)  # past the breaker's interval: the next call probes and succeeds
+            out |= run_all(engine, requests[45:])
+        else:
+            with redis_server.paused():
+                out |= run_all(engine, requests[30:])
+        elapsed = time.monotonic() - t0
+    finally:
+        redis_server.resume()
+        engine.close()
+    for r in requests:
+        expected = synthetic_payload(torch.from_numpy(r.tokens.astype(np.int64)), 8)
+        assert out[r.rid].error is None and torch.equal(out[r.rid].payload, expected), r.rid
+    assert engine.cache.remote is not None
+    stats = engine.cache.remote.stats()
+    assert stats.breaker_opens >= 1 and stats.verify_failures == 0
+    if fault == "pause":
+        assert stats.timeouts >= 1
+        # one timeout per breaker interval (5 s), not one per request or per page
+        assert elapsed < 10 * 0.3 + 15, elapsed
+    else:
+        assert stats.connection_errors >= 1
