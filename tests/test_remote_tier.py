@@ -254,3 +254,20 @@ def test_a_store_that_dies_or_stops_mid_replay_changes_no_byte(
         assert elapsed < 10 * 0.3 + 15, elapsed
     else:
         assert stats.connection_errors >= 1
+
+
+def _mismatched_remote(group: object) -> None:
+    from kvstrata.replay import ReplayConfig, _agree_on_config
+
+    engine = config("redis://h:1", remote_gib=1.0 + group.rank, remote_password="Zx9-s3cr3t")  # type: ignore[attr-defined]
+    _agree_on_config(group, ReplayConfig(model="none", engine=engine))  # type: ignore[arg-type]
+
+
+@pytest.mark.multiproc
+def test_a_configuration_mismatch_never_prints_the_password() -> None:
+    from kvstrata.dist.launch import run_ranks
+    from kvstrata.errors import CollectiveError
+
+    with pytest.raises(CollectiveError, match="remote_gib") as err:
+        run_ranks(2, _mismatched_remote, (), timeout_s=120)
+    assert "Zx9-s3cr3t" not in str(err.value)
