@@ -259,7 +259,11 @@ def test_a_store_that_dies_or_stops_mid_replay_changes_no_byte(
 def _mismatched_remote(group: object) -> None:
     from kvstrata.replay import ReplayConfig, _agree_on_config
 
-    engine = config("redis://h:1", remote_gib=1.0 + group.rank, remote_password="Zx9-s3cr3t")  # type: ignore[attr-defined]
+    engine = config(
+        "redis://:Ur1-s3cr3t@h:1",
+        remote_gib=1.0 + group.rank,  # type: ignore[attr-defined]
+        remote_password="Zx9-s3cr3t",
+    )
     _agree_on_config(group, ReplayConfig(model="none", engine=engine))  # type: ignore[arg-type]
 
 
@@ -270,4 +274,5 @@ def test_a_configuration_mismatch_never_prints_the_password() -> None:
 
     with pytest.raises(CollectiveError, match="remote_gib") as err:
         run_ranks(2, _mismatched_remote, (), timeout_s=120)
-    assert "Zx9-s3cr3t" not in str(err.value)
+    assert "Zx9-s3cr3t" not in str(err.value) and "Ur1-s3cr3t" not in str(err.value)
+    assert "Ur1-s3cr3t" not in repr(config("redis://:Ur1-s3cr3t@h:1", remote_password="Zx9"))

@@ -859,7 +859,8 @@ def _agree_on_config(group: Group, cfg: ReplayConfig) -> None:
         return
     mine = {**asdict(cfg), "kvstrata": __version__, "torch": torch.__version__}
     # A store password is each rank's own business, and a mismatch message must not print it.
-    mine["engine"] = {**mine["engine"], "remote_password": None}
+    url = _shown_url(cfg.engine.remote_url)
+    mine["engine"] = {**mine["engine"], "remote_url": url, "remote_password": None}
     every = group.all_gather_object(mine, "config")
     for rank, other in enumerate(every):
         for name in sorted(mine):

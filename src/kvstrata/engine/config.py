@@ -38,7 +38,8 @@ class EngineConfig:
     l3_gib: float = 0.0  # disk bytes this rank's slabs take
     l3_start: str = "clear"  # "clear" (start empty) or "load" (keep what the directory holds)
     l3_min_hits: int = 1  # spill only pages used at least this often
-    remote_url: str | None = None  # the shared tier (Redis) in L3's place: tiers/remote/config.py
+    # the shared tier (Redis) in L3's place: tiers/remote/config.py; it may carry a password
+    remote_url: str | None = field(default=None, repr=False)
     remote_gib: float = 0.0  # this namespace's share of the store, all ranks together
     remote_timeout_ms: float = 500.0  # socket timeout of every round trip to the store
     remote_min_hits: int = 1  # publish only pages used at least this often
