@@ -439,3 +439,24 @@ def test_password_from_url_or_config_never_shown(
         assert secret not in caplog.text and "Wr0ng-Pa55" not in caplog.text
     finally:
         server.kill()
+
+
+def test_a_write_lost_after_the_budget_check_is_counted_once(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store goes away between a batch's EXISTS and its SETs: the pages the budget already
+    refused count as skipped for the budget only, the rest as unavailable."""
+    from kvstrata.tiers.remote.client import RedisClient, StoreUnavailable
+
+    def lost(self: RedisClient, items: object, ttl_s: int) -> None:
+        raise StoreUnavailable("connection lost", timeout=False)
+
+    monkeypatch.setattr(RedisClient, "set_new", lost)
+    pool, pages = host_pool(), hashes(3)
+    with open_store(redis_server.url, budget_bytes=PAGE_BYTES) as store:
+        done = publish_all(store, pool, pages, ticket=1).published[0]
+        assert done.failed == tuple(pages)
+        stats = store.stats()
+        assert stats.skipped_budget == 2 and stats.skipped_unavailable == 1
+        assert stats.writes_skipped == 3 and stats.used_bytes == 0
+        store.check()

@@ -219,7 +219,7 @@ class RemoteStore:
         n, keys = len(self._kinds), [self._keys(h) for h, _ in pages]
         written: list[bytes] = []
         present: list[bytes] = []
-        gathered, reserved, new_bytes = False, 0, 0
+        gathered, reserved, new_bytes, over = False, 0, 0, 0
         try:
             there = self._exists([k for ks in keys for k in ks])
             todo = []
@@ -229,8 +229,8 @@ class RemoteStore:
                 else:
                     todo.append(i)
             fits = self._reserve(len(todo))
-            reserved = fits * self.page_bytes
-            self.counters.add(skipped_budget=len(todo) - fits)
+            reserved, over = fits * self.page_bytes, len(todo) - fits
+            self.counters.add(skipped_budget=over)
             if fits < len(todo):
                 self._warn.warn("budget", "the namespace's share of the store is used up")
             todo = todo[:fits]
@@ -253,7 +253,7 @@ class RemoteStore:
                 new_bytes += sum(self._value_len[k] for k, r in enumerate(res) if r is True)
                 (written if any(r is True for r in res) else present).append(pages[i][0])
         except StoreUnavailable:
-            done = len(written) + len(present)
+            done = len(written) + len(present) + over
             self.counters.add(skipped_unavailable=len(pages) - done)
         finally:
             if not gathered:
