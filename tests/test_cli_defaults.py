@@ -51,6 +51,7 @@ ARRIVALS = dataclass_defaults(ArrivalSpec)
 #: What a replay flag fills: (the defaults of the dataclass, the field) where the names differ.
 RENAMED = {
     "l1_tokens": (ENGINE, "pool_tokens"),
+    "remote": (ENGINE, "remote_url"),
     "check": (ENGINE, "check_every_step"),
     "cp_timeout": (REPLAY, "cp_timeout_s"),
     "arrivals": (ARRIVALS, "kind"),

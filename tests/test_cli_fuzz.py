@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import io
 import json
+import shutil
 import tempfile
 from unittest import mock
 
@@ -168,6 +169,22 @@ BASE = {
         "1",
         "--dir",
         "/tmp",
+    ],
+    "bench remote": [
+        "bench",
+        "remote",
+        "--gib",
+        "0.0001",
+        "--layers",
+        "1",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--page-size",
+        "4",
+        "--repeat",
+        "1",
     ],
     "disk": ["disk", "check"],  # its value: the directory (test_disk_check_positional)
     "bench transfer": [
@@ -354,6 +371,13 @@ def test_bench_sglang_backend_flags() -> None:
 @pytest.mark.slow
 def test_bench_tiers_flags() -> None:
     fuzz("bench tiers", 12)  # a valid value runs the tiny model through every tier and dd
+
+
+@pytest.mark.slow
+def test_bench_remote_flags() -> None:
+    if shutil.which("redis-server") is None or shutil.which("redis-benchmark") is None:
+        pytest.skip("redis-server / redis-benchmark are not installed (scripts/setup.sh)")
+    fuzz("bench remote", 15)  # a valid value starts a redis-server and runs redis-benchmark
 
 
 @given(value=BAD_VALUES)

@@ -23,6 +23,7 @@ BENCHMARKS = (
     "memory",
     "cp",
     "disk",
+    "remote",
     "sglang-backend",
     "attention",
     "gpu",

@@ -126,6 +126,7 @@ def prefill_uncached(
         "l2_tokens": 0,
         "l2_gib": 0.0,
         "l3_dir": None,
+        "remote_url": None,  # the reference computes everything itself
     }
     solo = Engine(compute, EngineConfig(**fields), model_id=model_id)
     solo.keep_logits = {request.rid}
