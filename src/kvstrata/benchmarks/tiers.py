@@ -33,9 +33,9 @@ import torch
 from ..command import CommandParser, HelpFormatter, run_command
 from ..engine import Engine, EngineConfig, Finished
 from ..errors import ConfigError
-from ..limits import check_device
+from ..limits import check_device, check_fits
 from ..model.compute import ModelCompute
-from ..model.loader import load_model
+from ..model.loader import load_model, read_model_config
 from ..residency import Tier
 from ..tiers.disk_format import round_up
 from ..workloads import Request
@@ -131,8 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _defaults(args)
     device = check_device(args.device)
+    config = read_model_config(args.model)
+    n = args.prefix + args.suffix
+    if n > config.max_position_embeddings:
+        raise ConfigError(
+            f"--prefix + --suffix ({n:,}) exceed {args.model}'s "
+            f"{config.max_position_embeddings:,} positions; give a shorter prefix"
+        )
     _, model = load_model(args.model, device=device, dtype=args.dtype, seed=args.seed)
     compute = ModelCompute(model, next(model.parameters()).dtype)
+    pool = 3 * compute.layout.page_bytes(PAGE) * -(-n // PAGE)  # each tier holds 3 requests
+    hint = "give a shorter --prefix"
+    check_fits([("L1 pool", pool)], device, hint)
+    check_fits([("L2 pool", pool)], torch.device("cpu"), hint)
     rng = np.random.default_rng(args.seed)
     vocab = compute.vocab_size
     prefix = rng.integers(0, vocab, args.prefix)
