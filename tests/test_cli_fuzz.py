@@ -168,7 +168,7 @@ BASE = {
         "--repeats",
         "1",
         "--dir",
-        "/tmp",
+        OUT,
     ],
     "bench remote": [
         "bench",

@@ -43,6 +43,8 @@ from .disk import _dd
 
 PROG = "kvstrata bench tiers"
 PAGE = 16
+#: The most rounds --repeats asks for (each restarts an engine; a typo of 10^10 ran for ever)
+MAX_REPEATS = 1000
 GIB = 1 << 30
 
 
@@ -75,6 +77,8 @@ def _defaults(args: argparse.Namespace) -> None:
     for name in ("prefix", "suffix", "repeats"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be >= 1")
+    if args.repeats > MAX_REPEATS:  # each round restarts an engine and reads the prefix
+        raise ConfigError(f"--repeats must lie in [1, {MAX_REPEATS}], got {args.repeats}")
     if args.prefix % PAGE:
         raise ConfigError(f"--prefix must be a multiple of the page size {PAGE}")
     if args.seed < 0:
