@@ -21,7 +21,7 @@ from kvstrata.cli import DEFAULT_THREADS, build_parser
 from kvstrata.cli.flags import replay_config
 from kvstrata.cli.replay import SWEEP_MODEL
 from kvstrata.engine import EngineConfig
-from kvstrata.replay import ReplayConfig
+from kvstrata.replay import ReplayConfig, SimLinks
 from kvstrata.tiers.disk_audit import audit_directory
 
 
@@ -47,6 +47,7 @@ def keyword_defaults(fn: Callable[..., Any]) -> dict[str, Any]:
 ENGINE = dataclass_defaults(EngineConfig)
 REPLAY = dataclass_defaults(ReplayConfig)
 ARRIVALS = dataclass_defaults(ArrivalSpec)
+LINKS = dataclass_defaults(SimLinks)
 #: What a replay flag fills: (the defaults of the dataclass, the field) where the names differ.
 RENAMED = {
     "l1_tokens": (ENGINE, "pool_tokens"),
@@ -54,9 +55,13 @@ RENAMED = {
     "cp_timeout": (REPLAY, "cp_timeout_s"),
     "arrivals": (ARRIVALS, "kind"),
     "time_scale": (ARRIVALS, "time_scale"),
+    "sim_h2d_gbps": (LINKS, "h2d_gbps"),
+    "sim_d2h_gbps": (LINKS, "d2h_gbps"),
+    "sim_disk_read_gbps": (LINKS, "disk_read_gbps"),
+    "sim_disk_write_gbps": (LINKS, "disk_write_gbps"),
 }
-#: Together they fill ReplayConfig.cost: given none, it stays None (the device's measured costs).
-COST_FLAGS = ("sim_tokens_per_s", "sim_h2d_gbps", "sim_d2h_gbps")
+#: It fills ReplayConfig.cost (the flat model): not given, it stays None (replay/cost.py picks).
+COST_FLAGS = ("sim_tokens_per_s",)
 #: Flags that choose what a command prints or does with its result, not what it configures.
 NOT_CONFIG = {
     "replay": {"json", "no_progress", "report", "fail_on_error"},
@@ -66,6 +71,7 @@ NOT_CONFIG = {
     "bench": {"name", "rest"},
     "disk": {"disk_command"},
     "disk check": {"dir", "json", "quick"},
+    "disk gc": {"dir", "keep", "dry_run"},  # which namespaces to spare, and whether to act
 }
 #: A command's own default where it differs from the field on purpose.
 OWN_DEFAULTS = {
@@ -118,7 +124,9 @@ def cli_default(action: argparse.Action) -> Any:
 
 def test_the_walk_reaches_every_subcommand() -> None:
     names = {name for name, _ in commands(build_parser())}
-    assert names == {"replay", "sweep", "compare", "check-model", "bench", "disk", "disk check"}
+    assert names == {
+        "replay", "sweep", "compare", "check-model", "bench", "disk", "disk check", "disk gc",
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("command", sorted(NOT_CONFIG))

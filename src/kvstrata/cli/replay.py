@@ -8,7 +8,15 @@ import sys
 
 from ..command import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, HelpFormatter
 from ..replay import VERIFY_ATOL, ReplayConfig, ReplayObserver, ReplayRun
-from .flags import engine_flags, progress_flag, replay_config, sizes, timing_flags, workload_flags
+from .flags import (
+    cost_flags,
+    engine_flags,
+    progress_flag,
+    replay_config,
+    sizes,
+    timing_flags,
+    workload_flags,
+)
 
 #: ``kvstrata sweep`` replays cache only unless told otherwise (``--model none``, and with it the
 #: simulated clock): a grid of sizes runs many replays.
@@ -29,6 +37,7 @@ def replay_parser(sub: argparse._SubParsersAction) -> None:
     workload_flags(p, model_default=ReplayConfig.model)
     engine_flags(p, grid=False)
     timing_flags(p)
+    cost_flags(p)
     p.add_argument(
         "--verify",
         type=int,
@@ -189,6 +198,7 @@ def sweep_parser(sub: argparse._SubParsersAction) -> None:
     workload_flags(p, model_default=SWEEP_MODEL)
     engine_flags(p, grid=True)
     timing_flags(p)
+    cost_flags(p)
     p.add_argument(
         "--report",
         required=True,
