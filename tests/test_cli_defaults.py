@@ -16,6 +16,7 @@ import pytest
 
 import kvstrata.cli
 from kvstrata.arrivals import ArrivalSpec
+from kvstrata.calibrate import calibrate
 from kvstrata.check_model import check_model
 from kvstrata.cli import DEFAULT_THREADS, build_parser
 from kvstrata.cli.flags import replay_config
@@ -72,6 +73,7 @@ NOT_CONFIG = {
     "disk": {"disk_command"},
     "disk check": {"dir", "json", "quick"},
     "disk gc": {"dir", "keep", "dry_run"},  # which namespaces to spare, and whether to act
+    "calibrate": {"out", "json"},
 }
 #: A command's own default where it differs from the field on purpose.
 OWN_DEFAULTS = {
@@ -91,6 +93,9 @@ def field_of(command: str, dest: str) -> tuple[dict[str, Any], str] | None:
                 return defaults, dest
     if command == "check-model":
         defaults = keyword_defaults(check_model)
+        return (defaults, dest) if dest in defaults else None
+    if command == "calibrate":
+        defaults = keyword_defaults(calibrate)
         return (defaults, dest) if dest in defaults else None
     if command == "disk check":
         defaults = keyword_defaults(audit_directory)
@@ -126,6 +131,7 @@ def test_the_walk_reaches_every_subcommand() -> None:
     names = {name for name, _ in commands(build_parser())}
     assert names == {
         "replay", "sweep", "compare", "check-model", "bench", "disk", "disk check", "disk gc",
+        "calibrate",
     }  # fmt: skip
 
 

@@ -97,7 +97,13 @@ class CostModel:
         )
 
     def step(
-        self, requests: int, tokens: int, pairs: float, h2d_bytes: float, d2h_bytes: float
+        self,
+        requests: int,
+        tokens: int,
+        pairs: float,
+        h2d_bytes: float,
+        d2h_bytes: float,
+        prefix_tokens: int = 0,
     ) -> tuple[float, float]:
         """``(seconds, load-back wait)``: load-back in full before the compute (an upper bound),
         backups beside it."""
@@ -117,7 +123,13 @@ class StepCoster(Protocol):
     def disk_write_gbps(self) -> float: ...
 
     def step(
-        self, requests: int, tokens: int, pairs: float, h2d_bytes: float, d2h_bytes: float
+        self,
+        requests: int,
+        tokens: int,
+        pairs: float,
+        h2d_bytes: float,
+        d2h_bytes: float,
+        prefix_tokens: int = 0,
     ) -> tuple[float, float]: ...
 
 
@@ -131,6 +143,7 @@ class StepWork:
     load_wait_s: float  # the forward's measured wait for load-back copies (host clock)
     requests: int = 0  # requests with a chunk in the forward (0: the step ran none)
     attention_pairs: float = 0.0  # sum over them of extend x (prefix + extend / 2)
+    prefix_tokens: int = 0  # sum over them of the prefix each chunk's attention reads
     disk_read_bytes: int = 0  # landed this step: read while the step before ran
     disk_write_bytes: int = 0  # made durable this step: written while the step before ran
 
@@ -211,6 +224,7 @@ class SimClock:
             work.attention_pairs,
             scale * work.h2d_bytes,
             scale * work.d2h_bytes,
+            work.prefix_tokens,
         )
         self._step_start = start
         self._t = start + seconds

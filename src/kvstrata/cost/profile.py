@@ -3,11 +3,14 @@
 A step computes the chunks of ``R`` requests, ``T`` tokens in all, where request ``i`` computes
 ``e_i`` tokens over ``p_i`` tokens already in its pages. Its compute lasts::
 
-    step  +  request x R  +  token x T  +  pair x A,       A = sum_i e_i x (p_i + e_i / 2)
+    step + request x R + token x T + pair x A + prefix x C,   A = sum_i e_i x (p_i + e_i / 2)
+                                                             C = sum_i p_i
 
 ``A`` counts the (query, key) pairs causal attention scores: each of the ``e_i`` new tokens
 attends to the prefix and, on average, half of its own chunk. The per-token term is the model's
-matmuls, the per-pair term its attention, the per-step and per-request terms what a step pays
+matmuls, the per-pair term its attention's arithmetic, the per-prefix-token term reading each
+chunk's cached prefix once (its KV's bytes: what a short chunk over a long prefix is bound by,
+and on the CPU the gather out of the pages), the per-step and per-request terms what a step pays
 whatever its size (scheduling, the batch's page tables, kernel launches, the last-token logits).
 
 The tier links move ``h`` bytes host -> device (load-back), ``d`` bytes device -> host
@@ -97,6 +100,7 @@ class CostProfile:
     request_s: float  # per request in the step
     token_s: float  # per computed token (all layers)
     pair_s: float  # per attention pair (all layers)
+    prefix_s: float  # per cached prefix token a chunk's attention reads (all layers)
     h2d_gbps: float
     d2h_gbps: float
     disk_read_gbps: float
@@ -112,7 +116,7 @@ class CostProfile:
             raise ConfigError(f"cost profile {self.name!r}: kind must be one of {KINDS}")
         if self.overlap not in OVERLAPS:
             raise ConfigError(f"cost profile {self.name!r}: overlap must be one of {OVERLAPS}")
-        for name in ("step_s", "request_s", "token_s", "pair_s"):
+        for name in ("step_s", "request_s", "token_s", "pair_s", "prefix_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ConfigError(
@@ -145,14 +149,14 @@ class CostProfile:
 
     # -- the model -------------------------------------------------------------------------------
 
-    def compute_s(self, requests: int, tokens: int, pairs: float) -> float:
-        """The compute of a step without copies (0 when it runs no forward)."""
-        if requests == 0:
-            return 0.0
-        return self.step_s + self.request_s * requests + self.token_s * tokens + self.pair_s * pairs
-
     def step(
-        self, requests: int, tokens: int, pairs: float, h2d_bytes: float, d2h_bytes: float
+        self,
+        requests: int,
+        tokens: int,
+        pairs: float,
+        h2d_bytes: float,
+        d2h_bytes: float,
+        prefix_tokens: int = 0,
     ) -> tuple[float, float]:
         """``(seconds, load-back wait)`` of a step that also copies ``h2d_bytes`` and
         ``d2h_bytes`` (bytes of this profile's KV)."""
@@ -161,7 +165,7 @@ class CostProfile:
         if requests == 0:
             return load + back, load
         fixed = self.step_s + self.request_s * requests
-        layered = self.token_s * tokens + self.pair_s * pairs
+        layered = self.token_s * tokens + self.pair_s * pairs + self.prefix_s * prefix_tokens
         if self.overlap == "serial":
             return fixed + load + layered + back, load
         n = self.num_layers
@@ -169,17 +173,6 @@ class CostProfile:
         without_load = c + d + (n - 1) * max(c, d)
         total = load / n + c + d + (n - 1) * max(load / n, c, d)
         return fixed + total, total - without_load
-
-    def recompute_tokens_per_s(self, context: int) -> float:
-        """Tokens per second of recomputing a ``context``-token prefix from nothing, at the
-        margin (per-token and per-pair terms: a long prefill amortises the rest)."""
-        per_token = self.token_s + self.pair_s * context / 2
-        return 1.0 / per_token
-
-    def break_even_disk_gbps(self, context: int) -> float:
-        """The disk read rate at which an L3 hit of a ``context``-token prefix takes as long as
-        recomputing it (GB/s): recompute tokens/s x KV bytes per token."""
-        return self.recompute_tokens_per_s(context) * self.kv_bytes_per_token / GB
 
     def with_links(self, **rates: float | None) -> CostProfile:
         """This profile with the given link rates (``h2d_gbps=...``; None keeps its own)."""

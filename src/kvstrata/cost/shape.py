@@ -39,6 +39,7 @@ class DeviceRates:
     attention_tflops: float
     step_s: float
     request_s: float
+    memory_gbps: float  # reading a cached prefix's KV once per chunk
     h2d_gbps: float
     d2h_gbps: float
     source: str
@@ -52,11 +53,11 @@ class DeviceRates:
 #: --device cpu`` on the tiny preset fits the per-step and per-request terms).
 DEVICE_RATES: dict[str, DeviceRates] = {
     "cuda": DeviceRates(
-        "NVIDIA H200 (measured rates)", 755.0, 334.0, 2.0e-3, 1.0e-4, 51.29, 52.56,
+        "NVIDIA H200 (measured rates)", 755.0, 334.0, 2.0e-3, 1.0e-4, 3_500.0, 51.29, 52.56,
         "docs/benchmarks.md: GPU end to end, profile of an 8,192-token chunk over an 88K prefix",
     ),
     "cpu": DeviceRates(
-        "cpu (2-core development machine)", 0.045, 0.012, 6.0e-4, 2.5e-4, 1.89, 1.83,
+        "cpu (2-core development machine)", 0.045, 0.012, 6.0e-4, 2.5e-4, 2.0, 1.89, 1.83,
         "docs/benchmarks.md: Cost profiles, fp32 on the 2-core machine",
     ),
 }  # fmt: skip
@@ -151,6 +152,7 @@ def estimate_profile(shape: ModelShape, device_kind: str, page_size: int = 16) -
         request_s=rates.request_s + shape.logits_flops_per_request() / (rates.matmul_tflops * 1e12),
         token_s=shape.matmul_flops_per_token() / (rates.matmul_tflops * 1e12),
         pair_s=shape.attention_flops_per_pair() / (rates.attention_tflops * 1e12),
+        prefix_s=shape.kv_bytes_per_token / (rates.memory_gbps * 1e9),
         h2d_gbps=rates.h2d_gbps,
         d2h_gbps=rates.d2h_gbps,
         disk_read_gbps=read,

@@ -127,8 +127,8 @@ class Engine:
         self._settle()
         finished = self._admit(started)
         if not self.running:
+            self.last_work = cache.step_work(before, ())
             if cache.disk is not None:  # the settle may have waited for the disk
-                self.last_work = cache.step_work(before, ())
                 self.clock.charge(self.last_work)
             return finished
         chosen = self._chunks()

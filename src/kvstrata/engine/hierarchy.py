@@ -331,6 +331,7 @@ class CacheHierarchy:
             load_wait_s=after.load_wait_s - before.load_wait_s,
             requests=len(chunks),
             attention_pairs=sum(e * (p + e / 2) for p, e in chunks),
+            prefix_tokens=sum(p for p, _ in chunks),
             disk_read_bytes=after.disk_read_bytes - before.disk_read_bytes,
             disk_write_bytes=after.disk_write_bytes - before.disk_write_bytes,
         )
