@@ -29,8 +29,8 @@ from .errors import ConfigError
 
 GB = 1e9
 
-ClockKind = Literal["wall", "sim"]
-CLOCKS = ("auto", "wall", "sim")
+ClockKind = Literal["wall", "sim", "cpu"]
+CLOCKS = ("auto", "wall", "sim", "cpu")
 
 #: Cost-model defaults per device type, measured (docs/benchmarks.md, "Simulated clock").
 #: CPU: computed tokens/s of ``kvstrata replay --model none`` on the whole Mooncake conversation
@@ -184,6 +184,28 @@ class WallClock:
             time.sleep(delay)
 
 
+class CpuClock:
+    """The replay thread's CPU seconds (``time.thread_time``) since construction, and idle time
+    jumped over: a CPU engine's steps take the CPU time they take, whatever other processes on
+    a shared machine do, and waiting for the next arrival takes none (the clock jumps there).
+    What ``kvstrata calibrate`` times on the CPU, so a CPU profile's predictions compare with it."""
+
+    kind: ClockKind = "cpu"
+
+    def __init__(self) -> None:
+        self._origin = time.thread_time()
+        self._idle = 0.0
+
+    def now(self) -> float:
+        return time.thread_time() - self._origin + self._idle
+
+    def charge(self, work: StepWork) -> float:
+        return work.load_wait_s
+
+    def wait_until(self, t: float) -> None:
+        self._idle += max(0.0, t - self.now())
+
+
 class SimClock:
     """Simulated seconds: only :meth:`charge` (a step's cost) and :meth:`wait_until` (idle until
     the next arrival) move it. ``byte_scale`` turns the engine's bytes into the modeled KV's
@@ -199,6 +221,7 @@ class SimClock:
         self._disk_free = 0.0  # when the disk finishes what was handed to it
         self.disk_wait_s = 0.0  # steps' waits for the disk, in total
         self.disk_busy_s = 0.0  # the disk's own time reading and writing, in total
+        self.busy_s = 0.0  # steps' own time (neither idle nor waiting for the disk), in total
 
     def now(self) -> float:
         return self._t
@@ -228,6 +251,7 @@ class SimClock:
         )
         self._step_start = start
         self._t = start + seconds
+        self.busy_s += seconds
         return load
 
     def wait_until(self, t: float) -> None:
@@ -241,4 +265,6 @@ def make_clock(kind: str, model_name: str, cost: StepCoster, byte_scale: float =
         raise ConfigError(f"--clock must be one of {', '.join(CLOCKS)}, got {kind!r}")
     if kind == "sim" or (kind == "auto" and model_name == "none"):
         return SimClock(cost, byte_scale)
+    if kind == "cpu":
+        return CpuClock()
     return WallClock()

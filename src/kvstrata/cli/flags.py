@@ -283,7 +283,9 @@ def timing_flags(p: argparse.ArgumentParser) -> None:
         choices=list(CLOCKS),
         default=ReplayConfig.clock,
         help="the clock TTFT is measured on: sim (a cost model advances it; deterministic), "
-        "wall (real time; a trace replays in real time), auto (sim with --model none, else wall)",
+        "wall (real time; a trace replays in real time), cpu (the CPU engine's thread CPU time, "
+        "jumping over idle time: steady on a shared machine), auto (sim with --model none, else "
+        "wall)",
     )
     p.add_argument(
         "--sim-tokens-per-s",

@@ -30,6 +30,7 @@ BENCHMARKS = (
     "replay",
     "multi-gpu",
     "tiers",
+    "planner-accuracy",
 )
 
 

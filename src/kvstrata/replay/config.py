@@ -109,8 +109,13 @@ class ReplayConfig:
         self._check_verify_atol()
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be >= 1, got {self.limit}")
-        if self.clock not in ("auto", "wall", "sim"):
-            raise ConfigError(f"--clock must be auto, wall or sim, got {self.clock!r}")
+        if self.clock not in ("auto", "wall", "sim", "cpu"):
+            raise ConfigError(f"--clock must be auto, wall, sim or cpu, got {self.clock!r}")
+        if self.clock == "cpu" and (self.engine.device != "cpu" or self.cp > 1):
+            raise ConfigError(
+                "--clock cpu times the replay thread's CPU: the CPU engine in one process only "
+                "(--device cpu, no --cp)"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must lie in [0, 65535], got {self.metrics_port}")
         if not self.metrics_host.strip():

@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 import torch
 
 from .. import __version__
-from ..clock import WallClock, make_clock
+from ..clock import CpuClock, WallClock, make_clock
 from ..dist.agree import agree_on_config
 from ..dist.group import Group, SoloGroup
 from ..dist.launch import run_ranks, run_torchrun, under_torchrun
@@ -128,6 +128,8 @@ def _run(
     clock = (
         make_clock("sim", cfg.model, cost.coster, cost.byte_scale)
         if cost is not None
+        else CpuClock()
+        if cfg.clock == "cpu"
         else WallClock()
     )
     engine = Engine(compute, cfg.engine, group=group, clock=clock, model_id=model_id(cfg))

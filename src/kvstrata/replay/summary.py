@@ -190,8 +190,8 @@ class ReplaySummary:
         """The clock the times are on, in words."""
         if not self.clock:
             return "wall"
-        if self.clock["kind"] == "wall":
-            return f"wall, {self.clock['seconds']:,.1f} s"
+        if self.clock["kind"] in ("wall", "cpu"):
+            return f"{self.clock['kind']}, {self.clock['seconds']:,.1f} s"
         cost = self.clock["cost"]
         if "provenance" in cost:
             return f"simulated {self.clock['seconds']:,.1f} s (profile {cost['name']})"
@@ -316,6 +316,15 @@ def summarize(
             "cost": describe_cost(run.cost) if run.cost is not None else None,
             "disk_wait_s": round(getattr(clock, "disk_wait_s", 0.0), 6),
             "disk_busy_s": round(getattr(clock, "disk_busy_s", 0.0), 6),
+            # Steps' own time on the clock (sim: their cost; wall / cpu: the engine's time).
+            "busy_s": round(
+                getattr(
+                    clock,
+                    "busy_s",
+                    driven.timer.cpu_s if clock.kind == "cpu" else driven.timer.wall_s,
+                ),
+                6,
+            ),
         },
         arrivals=source.arrivals.describe(),
         rank=group.rank,
