@@ -41,6 +41,7 @@ from .clock import StepWork
 from .cost import DISK_DEFAULTS, CostProfile, Provenance
 from .engine import Engine, EngineConfig
 from .errors import ConfigError
+from .limits import check_device
 from .model.compute import ModelCompute
 from .model.loader import load_model
 from .workloads import Request
@@ -261,6 +262,11 @@ def calibrate(
     ``max_tokens``: the longest fresh prefill (default 2,048 on CPU, 16,384 on CUDA);
     ``l2_tokens``: the L2 of the link steps (default: enough for them; 0: no link steps);
     ``threads``: torch's intra-op threads meanwhile (1, as ``kvstrata replay`` runs)."""
+    cores = os.cpu_count() or 1
+    if not 1 <= threads <= cores:
+        raise ConfigError(
+            f"--threads must lie in [1, {cores}] (this machine's cores), got {threads}"
+        )
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -286,16 +292,21 @@ def _calibrate(
     progress: Callable[[str], None] | None,
     command: str,
 ) -> Calibration:
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: this machine has no CUDA device")
-    if repeats < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    dev = check_device(device)
+    if not 1 <= repeats <= 1000:
+        raise ConfigError(f"--repeats must lie in [1, 1000], got {repeats}")
+    if not 0 <= seed < 2**63:
+        raise ConfigError(f"--seed must lie in [0, 2**63), got {seed}")
+    if not 1 <= page_size <= 4096:
+        raise ConfigError(f"--page-size must lie in [1, 4096], got {page_size}")
     m = max_tokens or (16_384 if dev.type == "cuda" else 2_048)
-    if m < 64 * page_size or m % 64:
+    if not 64 * page_size <= m <= 1 << 20 or m % 64:
         raise ConfigError(
-            f"--max-tokens must be a multiple of 64 and at least 64 pages ({64 * page_size}), got {m}"
+            f"--max-tokens must be a multiple of 64 in [{64 * page_size} (64 pages), 1048576], "
+            f"got {m}"
         )
+    if l2_tokens is not None and not 0 <= l2_tokens <= 1 << 26:
+        raise ConfigError(f"--l2-tokens must lie in [0, 67108864], got {l2_tokens}")
     with_l2 = l2_tokens != 0
     _, net = load_model(model, device=device, dtype=dtype, seed=seed)
     torch_dtype = next(net.parameters()).dtype

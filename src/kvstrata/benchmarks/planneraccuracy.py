@@ -31,6 +31,7 @@ from ..arrivals import ArrivalSpec
 from ..command import CommandParser, HelpFormatter, run_command
 from ..engine import EngineConfig
 from ..errors import ConfigError
+from ..limits import check_device
 from ..model.loader import read_model_config
 from ..replay import ReplayConfig, resolve_cost, run_replay
 
@@ -201,6 +202,11 @@ def configs(args: Any, trace: str, scale: float) -> tuple[ReplayConfig, ReplayCo
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     windows = [Window.parse(w) for w in args.windows]
+    check_device(args.device)
+    for scale in args.time_scales:
+        ArrivalSpec.parse("trace", scale)  # refuses a scale that is not finite and > 0
+    if args.model is not None:
+        read_model_config(args.model)  # a preset or checkpoint, before anything runs
     trace = Path(args.trace)
     if not trace.is_file():
         raise ConfigError(f"trace {trace} not found; give one with --trace")
