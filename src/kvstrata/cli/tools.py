@@ -111,7 +111,15 @@ def calibrate_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_calibrate(args: argparse.Namespace) -> int:
     import sys
+    from pathlib import Path
 
+    from ..errors import ConfigError
+
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():  # refused before minutes of timing, not after
+        raise ConfigError(
+            f"--out {out}: give a file in an existing directory (where the profile is written)"
+        )
     cal = calibrate(
         model=args.model,
         device=args.device,
