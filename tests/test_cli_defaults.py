@@ -24,6 +24,7 @@ from kvstrata.cli.replay import SWEEP_MODEL
 from kvstrata.engine import EngineConfig
 from kvstrata.replay import ReplayConfig, SimLinks
 from kvstrata.tiers.disk_audit import audit_directory
+from kvstrata.tiers.disk_gc import collect
 
 
 def field_default(f: Field[Any]) -> Any:
@@ -52,6 +53,7 @@ LINKS = dataclass_defaults(SimLinks)
 #: What a replay flag fills: (the defaults of the dataclass, the field) where the names differ.
 RENAMED = {
     "l1_tokens": (ENGINE, "pool_tokens"),
+    "remote": (ENGINE, "remote_url"),
     "check": (ENGINE, "check_every_step"),
     "cp_timeout": (REPLAY, "cp_timeout_s"),
     "arrivals": (ARRIVALS, "kind"),
@@ -72,7 +74,7 @@ NOT_CONFIG = {
     "bench": {"name", "rest"},
     "disk": {"disk_command"},
     "disk check": {"dir", "json", "quick"},
-    "disk gc": {"dir", "keep", "dry_run"},  # which namespaces to spare, and whether to act
+    "disk gc": {"dir"},
     "calibrate": {"out", "json"},
 }
 #: A command's own default where it differs from the field on purpose.
@@ -93,6 +95,9 @@ def field_of(command: str, dest: str) -> tuple[dict[str, Any], str] | None:
                 return defaults, dest
     if command == "check-model":
         defaults = keyword_defaults(check_model)
+        return (defaults, dest) if dest in defaults else None
+    if command == "disk gc":
+        defaults = keyword_defaults(collect)
         return (defaults, dest) if dest in defaults else None
     if command == "calibrate":
         defaults = keyword_defaults(calibrate)

@@ -46,6 +46,7 @@ TOP = {
     "tiers.d2h_pages", "tiers.d2h_bytes", "tiers.h2d_pages", "tiers.h2d_bytes",
     "tiers.backups_done", "tiers.backups_skipped", "tiers.backups_failed", "tiers.loads",
     "tiers.loads_failed", "tiers.load_back_wait_ms", "tiers.l3_hit_tokens", "tiers.l3",
+    "tiers.remote",  # new with --remote
     "verify", "verify.ok", "verify.requests", "verify.max_abs_logit_diff", "verify.argmax_agree",
     "verify.payload_mismatched_bytes", "verify.nonfinite_logits",
     "verify.draft_max_abs_logit_diff", "verify.draft_argmax_agree", "verify.decode",
@@ -68,6 +69,7 @@ CONFIG_ADDED = {
     "verify_atol",  # new with --verify-atol
     "cost_profile", "model_shape", "l1_gib", "sim_links",  # new with the cost profiles
     *(f"sim_links.{k}" for k in ("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
+    "remote", "remote_gib", "remote_timeout_ms", "remote_min_hits",  # new with --remote
 }  # fmt: skip
 L3 = {
     "pages_present", "pages_written", "bytes_written", "pages_read", "bytes_read",
@@ -134,6 +136,7 @@ def test_cache_only_summary_keys_and_config(tmp_path: Path) -> None:
         "check_every_step": False, "max_host_alloc_gib": 480.0, "check_digests": None,
         "verify_atol": None, "cost_profile": None, "model_shape": None, "l1_gib": 0.0,
         "sim_links": dict.fromkeys(("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
+        "remote": None, "remote_gib": None, "remote_timeout_ms": None, "remote_min_hits": None,
     }  # fmt: skip
 
 
@@ -156,4 +159,5 @@ def test_model_summary_keys_and_config() -> None:
         "check_every_step": False, "max_host_alloc_gib": 480.0, "check_digests": None,
         "verify_atol": None, "cost_profile": None, "model_shape": None, "l1_gib": 0.0,
         "sim_links": dict.fromkeys(("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
+        "remote": None, "remote_gib": None, "remote_timeout_ms": None, "remote_min_hits": None,
     }  # fmt: skip
