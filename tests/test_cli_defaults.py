@@ -16,12 +16,13 @@ import pytest
 
 import kvstrata.cli
 from kvstrata.arrivals import ArrivalSpec
+from kvstrata.calibrate import calibrate
 from kvstrata.check_model import check_model
 from kvstrata.cli import DEFAULT_THREADS, build_parser
 from kvstrata.cli.flags import replay_config
 from kvstrata.cli.replay import SWEEP_MODEL
 from kvstrata.engine import EngineConfig
-from kvstrata.replay import ReplayConfig
+from kvstrata.replay import ReplayConfig, SimLinks
 from kvstrata.tiers.disk_audit import audit_directory
 from kvstrata.tiers.disk_gc import collect
 
@@ -48,6 +49,7 @@ def keyword_defaults(fn: Callable[..., Any]) -> dict[str, Any]:
 ENGINE = dataclass_defaults(EngineConfig)
 REPLAY = dataclass_defaults(ReplayConfig)
 ARRIVALS = dataclass_defaults(ArrivalSpec)
+LINKS = dataclass_defaults(SimLinks)
 #: What a replay flag fills: (the defaults of the dataclass, the field) where the names differ.
 RENAMED = {
     "l1_tokens": (ENGINE, "pool_tokens"),
@@ -56,9 +58,13 @@ RENAMED = {
     "cp_timeout": (REPLAY, "cp_timeout_s"),
     "arrivals": (ARRIVALS, "kind"),
     "time_scale": (ARRIVALS, "time_scale"),
+    "sim_h2d_gbps": (LINKS, "h2d_gbps"),
+    "sim_d2h_gbps": (LINKS, "d2h_gbps"),
+    "sim_disk_read_gbps": (LINKS, "disk_read_gbps"),
+    "sim_disk_write_gbps": (LINKS, "disk_write_gbps"),
 }
-#: Together they fill ReplayConfig.cost: given none, it stays None (the device's measured costs).
-COST_FLAGS = ("sim_tokens_per_s", "sim_h2d_gbps", "sim_d2h_gbps")
+#: It fills ReplayConfig.cost (the flat model): not given, it stays None (replay/cost.py picks).
+COST_FLAGS = ("sim_tokens_per_s",)
 #: Flags that choose what a command prints or does with its result, not what it configures.
 NOT_CONFIG = {
     "replay": {"json", "no_progress", "report", "fail_on_error"},
@@ -69,6 +75,7 @@ NOT_CONFIG = {
     "disk": {"disk_command"},
     "disk check": {"dir", "json", "quick"},
     "disk gc": {"dir"},
+    "calibrate": {"out", "json"},
 }
 #: A command's own default where it differs from the field on purpose.
 OWN_DEFAULTS = {
@@ -91,6 +98,9 @@ def field_of(command: str, dest: str) -> tuple[dict[str, Any], str] | None:
         return (defaults, dest) if dest in defaults else None
     if command == "disk gc":
         defaults = keyword_defaults(collect)
+        return (defaults, dest) if dest in defaults else None
+    if command == "calibrate":
+        defaults = keyword_defaults(calibrate)
         return (defaults, dest) if dest in defaults else None
     if command == "disk check":
         defaults = keyword_defaults(audit_directory)
@@ -125,7 +135,8 @@ def cli_default(action: argparse.Action) -> Any:
 def test_the_walk_reaches_every_subcommand() -> None:
     names = {name for name, _ in commands(build_parser())}
     assert names == {
-        "replay", "sweep", "compare", "check-model", "bench", "disk", "disk check", "disk gc"
+        "replay", "sweep", "compare", "check-model", "bench", "disk", "disk check", "disk gc",
+        "calibrate",
     }  # fmt: skip
 
 

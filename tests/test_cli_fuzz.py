@@ -21,6 +21,7 @@ import io
 import json
 import shutil
 import tempfile
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -79,6 +80,46 @@ BASE = {
         "10",
     ],
     "bench memory": ["bench", "memory", "--sizes", "2", "--l1-tokens", "300000"],
+    "bench tiers": [  # listed so the walk sees every benchmark (its flags are not fuzzed yet)
+        "bench",
+        "tiers",
+        "--device",
+        "cpu",
+        "--prefix",
+        "256",
+        "--suffix",
+        "32",
+        "--repeats",
+        "1",
+        "--dir",
+        OUT,
+    ],  # fmt: skip
+    "calibrate": [
+        "calibrate",
+        "--max-tokens",
+        "1024",
+        "--repeats",
+        "1",
+        "--l2-tokens",
+        "0",
+        "--out",
+        f"{OUT}/profile.json",
+        "--json",
+    ],  # fmt: skip
+    "bench planner-accuracy": [
+        "bench",
+        "planner-accuracy",
+        "--device",
+        "cpu",
+        "--trace",
+        f"{OUT}/window.jsonl",
+        "--windows",
+        "0:2",
+        "--l1-tokens",
+        "4096",
+        "--l2-tokens",
+        "8192",
+    ],  # fmt: skip
     # CUDA-only benchmarks: on a machine without CUDA every value ends in one error line.
     "bench attention": ["bench", "attention", "--device", "cpu"],
     "bench gpu": ["bench", "gpu", "--device", "cpu", "--trace", "README.md"],
@@ -358,6 +399,20 @@ def test_bench_memory_flags() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_calibrate_flags() -> None:
+    fuzz("calibrate", 12)  # a valid value calibrates the tiny model (seconds)
+
+
+@pytest.mark.slow
+def test_bench_planner_accuracy_flags() -> None:
+    lines = [
+        json.dumps({"timestamp": 10 * i, "input_length": 300, "hash_ids": [i]}) for i in range(3)
+    ]
+    Path(OUT, "window.jsonl").write_text("\n".join(lines) + "\n")
+    fuzz("bench planner-accuracy", 12)
+
+
 def test_bench_disk_flags() -> None:
     fuzz("bench disk", 20)  # a valid value runs dd
 

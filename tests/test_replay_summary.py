@@ -51,6 +51,7 @@ TOP = {
     "verify.payload_mismatched_bytes", "verify.nonfinite_logits",
     "verify.draft_max_abs_logit_diff", "verify.draft_argmax_agree", "verify.decode",
     "verify.atol", "verify.argmax_flips",  # new with --verify's tolerance
+    "planner", "clock.disk_wait_s", "clock.disk_busy_s", "clock.busy_s",  # with cost profiles
 }  # fmt: skip
 CONFIG = {
     "workload", "limit", "skipped_lines", "model", "dtype", "vocab_size", "page_size",
@@ -66,6 +67,8 @@ CONFIG_ADDED = {
     "on_error", "metrics_port", "metrics_host", "cp_timeout_s", "check_every_step",
     "max_host_alloc_gib", "check_digests",
     "verify_atol",  # new with --verify-atol
+    "cost_profile", "model_shape", "l1_gib", "sim_links",  # new with the cost profiles
+    *(f"sim_links.{k}" for k in ("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
     "remote", "remote_gib", "remote_timeout_ms", "remote_min_hits",  # new with --remote
 }  # fmt: skip
 L3 = {
@@ -76,7 +79,16 @@ L3 = {
     "reload_misses", "hit_tokens", "load_pages", "load_dropped", "load_truncated",
     "dropped_unreported",
 }  # fmt: skip
-COST = {"tokens_per_s", "h2d_gbps", "d2h_gbps"}
+COST = {
+    "tokens_per_s", "h2d_gbps", "d2h_gbps",
+    "disk_read_gbps", "disk_write_gbps", "kind", "kv_bytes_per_token", "byte_scale",
+}  # fmt: skip
+PLANNER = {
+    "model", "kv_bytes_per_token", "tier_tokens", "tier_gib", "tokens_saved",
+    "compute_s_no_cache", "compute_s_saved", "compute_saved_share", "recompute_tokens_per_s",
+    "at_prompt_tokens", "break_even_disk_read_gbps", "disk_read_gbps", "l3_beats_recompute",
+    *(f"{t}.{k}" for t in ("tier_tokens", "tier_gib") for k in ("l1", "l2", "l3")),
+}  # fmt: skip
 DECODE = {
     "requests", "tokens", "tokens_equal", "hit_requests", "acceptance_cached",
     "acceptance_uncached", "handoff_bytes",
@@ -102,7 +114,12 @@ def with_model() -> dict[str, Any]:
 
 def test_cache_only_summary_keys_and_config(tmp_path: Path) -> None:
     doc = cache_only(tmp_path / "l3")
-    expected = SCHEMA | {f"tiers.l3.{k}" for k in L3} | {f"clock.cost.{k}" for k in COST}
+    expected = (
+        SCHEMA
+        | {f"tiers.l3.{k}" for k in L3}
+        | {f"clock.cost.{k}" for k in COST}
+        | {f"planner.{k}" for k in PLANNER}
+    )
     assert key_paths(doc) == expected
     assert doc["config"] == {
         "workload": "builtin", "limit": 24, "skipped_lines": 0, "model": "none",
@@ -117,7 +134,8 @@ def test_cache_only_summary_keys_and_config(tmp_path: Path) -> None:
         "cp_bytes_per_rank": {}, "attention": None,
         "on_error": "stop", "metrics_port": None, "metrics_host": None, "cp_timeout_s": None,
         "check_every_step": False, "max_host_alloc_gib": 480.0, "check_digests": None,
-        "verify_atol": None,
+        "verify_atol": None, "cost_profile": None, "model_shape": None, "l1_gib": 0.0,
+        "sim_links": dict.fromkeys(("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
         "remote": None, "remote_gib": None, "remote_timeout_ms": None, "remote_min_hits": None,
     }  # fmt: skip
 
@@ -139,6 +157,7 @@ def test_model_summary_keys_and_config() -> None:
         "cp_bytes_per_rank": {}, "attention": "auto",
         "on_error": "stop", "metrics_port": None, "metrics_host": None, "cp_timeout_s": None,
         "check_every_step": False, "max_host_alloc_gib": 480.0, "check_digests": None,
-        "verify_atol": None,
+        "verify_atol": None, "cost_profile": None, "model_shape": None, "l1_gib": 0.0,
+        "sim_links": dict.fromkeys(("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
         "remote": None, "remote_gib": None, "remote_timeout_ms": None, "remote_min_hits": None,
     }  # fmt: skip

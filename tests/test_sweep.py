@@ -12,7 +12,7 @@ from kvstrata.cli import main
 from kvstrata.compare import compare, load_summary, ratio
 from kvstrata.errors import ConfigError
 from kvstrata.replay import ReplayConfig
-from kvstrata.sweep import SweepGrid, configs, lookup, parse_sizes
+from kvstrata.sweep import COLUMNS, SweepGrid, configs, lookup, parse_sizes
 
 SIZES = ["16k", "64k", "256k"]
 
@@ -58,13 +58,20 @@ def test_sweep_runs_every_point_and_lru_hits_more_with_more_cache(sweep_dir: Pat
     # one's pages (LRU's inclusion property), so it never hits less.
     lru = [r["summary"]["hit_ratio"] for r in runs if r["point"]["eviction"] == "lru"]
     assert lru == sorted(lru) and lru[0] < lru[-1]
+    # One knee per curve: the smallest size within 2 % of the curve's best hit ratio.
+    for eviction in ("lru", "slru"):
+        curve = [r for r in runs if r["point"]["eviction"] == eviction]
+        best = max(r["summary"]["hit_ratio"] for r in curve)
+        knees = [r for r in curve if r["knee"]]
+        assert len(knees) == 1 and knees[0]["summary"]["hit_ratio"] >= 0.98 * best
+        assert all(r["summary"]["hit_ratio"] < 0.98 * best for r in curve[: curve.index(knees[0])])
 
 
 def test_sweep_page_numbers_are_sweep_json(sweep_dir: Path) -> None:
     runs = json.loads((sweep_dir / "sweep.json").read_text())["runs"]
     cells = parse((sweep_dir / "report.html").read_text())
     assert sorted(cells.images) == ["hit_ratio.png", "tiers.png", "ttft.png"]
-    assert len(cells.values) == len(runs) * 13
+    assert len(cells.values) == len(runs) * len(COLUMNS)
     for key, shown in cells.values.items():
         _, i, _, path = key.split(".", 3)
         assert same(shown, lookup(runs[int(i)]["summary"], path)), key

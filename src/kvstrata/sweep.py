@@ -39,13 +39,18 @@ COLUMNS = (
     ("L2 tokens", "config.l2_tokens"),
     ("eviction", "config.eviction"),
     ("write policy", "config.write_policy"),
+    ("L1 GiB", "planner.tier_gib.l1"),
+    ("L2 GiB", "planner.tier_gib.l2"),
     ("hit ratio", "hit_ratio"),
     ("L1 hit tokens", "hit_tokens_by_tier.l1"),
     ("L2 hit tokens", "hit_tokens_by_tier.l2"),
     ("computed tokens", "computed_tokens"),
     ("TTFT p50 ms", "ttft_ms.p50"),
+    ("TTFT p90 ms", "ttft_ms.p90"),
     ("TTFT p99 ms", "ttft_ms.p99"),
     ("queue mean ms", "ttft_parts_ms.queue.mean"),
+    ("load mean ms", "ttft_parts_ms.load_back.mean"),
+    ("compute saved s", "planner.compute_s_saved"),
     ("failed", "failed"),
     ("engine s", "seconds"),
 )
@@ -108,7 +113,18 @@ def run_sweep(base: ReplayConfig, grid: SweepGrid, progress: bool = True) -> lis
         runs.append({"point": point, "summary": summary.to_json()})
         if summary.interrupted:
             break
+    mark_knees(runs)
     return runs
+
+
+def mark_knees(runs: list[dict[str, Any]]) -> None:
+    """Mark each curve's knee (``run["knee"]``): the smallest L1 size whose hit ratio is within
+    2 % of the best that curve reached."""
+    for group in _curves(runs).values():
+        best = max(r["summary"]["hit_ratio"] for r in group)
+        knee = next(r for r in group if r["summary"]["hit_ratio"] >= 0.98 * best)
+        for r in group:
+            r["knee"] = r is knee
 
 
 def lookup(data: dict[str, Any], path: str) -> Any:

@@ -4,6 +4,7 @@ kvstrata replay         run a workload through the prefill engine and report the
 kvstrata sweep          replay one workload over several cache sizes and policies, in one report
 kvstrata compare        two replay results side by side, with ratios
 kvstrata check-model    compare a checkpoint's logits with transformers before serving it
+kvstrata calibrate      fit the planner's step cost profile to the real engine on a device
 kvstrata bench radix    radix tree speed on the shared synthetic workload
 kvstrata bench prefill  prefill tokens/s against transformers on the same inputs
 kvstrata bench planner  one owner-lane eviction plan on the production fork's worst case
@@ -30,7 +31,14 @@ from .. import __version__
 from ..command import EXIT_INTERRUPTED, CommandParser, run_command
 from .flags import DEFAULT_THREADS
 from .replay import compare_parser, replay_parser, sweep_parser
-from .tools import BENCHMARKS, bench_module, bench_parser, check_model_parser, disk_parser
+from .tools import (
+    BENCHMARKS,
+    bench_module,
+    bench_parser,
+    calibrate_parser,
+    check_model_parser,
+    disk_parser,
+)
 
 __all__ = ["BENCHMARKS", "DEFAULT_THREADS", "bench_module", "build_parser", "main"]
 
@@ -49,6 +57,7 @@ def build_parser() -> CommandParser:
     sweep_parser(sub)
     compare_parser(sub)
     check_model_parser(sub)
+    calibrate_parser(sub)
     bench_parser(sub)
     disk_parser(sub)
     return parser

@@ -13,9 +13,10 @@ from typing import Any
 from ..arrivals import ArrivalSpec
 from ..clock import CLOCKS, COST_DEFAULTS, CostModel
 from ..config import HOST_LAYOUTS, WRITE_POLICIES
+from ..cost import DISK_DEFAULTS, shipped_profiles
 from ..engine import EngineConfig
 from ..model.attention import ATTENTION_BACKENDS
-from ..replay import ReplayConfig
+from ..replay import ReplayConfig, SimLinks
 from ..tiers.remote.config import password_from_env
 
 #: Default torch intra-op threads of ``replay``: one, because the engine's per-step ops are small
@@ -58,6 +59,15 @@ def workload_flags(p: argparse.ArgumentParser, model_default: str) -> None:
         help="attention over the paged K/V: triton (CUDA: a kernel reads the pages in place), sdpa "
         "(torch SDPA per request, gathering a cached prefix; the CPU path), auto (triton on CUDA, "
         "sdpa on CPU); no silent fallback",
+    )
+    p.add_argument(
+        "--model-shape",
+        default=ReplayConfig.model_shape,
+        metavar="NAME|config.json",
+        help="with --model none: plan this model (a preset, a Hugging Face config.json or its "
+        "checkpoint directory; no weights needed): its KV bytes per token are accounted and "
+        "reported, sizes in GiB count them, and its cost profile (shipped, or estimated from its "
+        "shape) drives the simulated clock; --dtype picks its KV dtype (default bfloat16)",
     )
     p.add_argument(
         "--kv-width",
@@ -120,6 +130,16 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         **many,
     )
     p.add_argument(
+        "--l1-gib",
+        type=float,
+        default=[ReplayConfig.l1_gib] if grid else ReplayConfig.l1_gib,
+        metavar="G",
+        help="device pool (L1) size in GiB of KV instead of --l1-tokens: the --model-shape "
+        "model's KV with --model none (or the --cost-profile's model), else the run's own"
+        + ("; several sizes" if grid else ""),
+        **many,
+    )
+    p.add_argument(
         "--l2-tokens",
         type=str if grid else int,
         default=[str(EngineConfig.l2_tokens)] if grid else EngineConfig.l2_tokens,
@@ -128,13 +148,15 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         "otherwise; 0" + (" (no L2)" if grid else " with no --l2-gib: no L2"),
         **many,
     )
-    if not grid:
-        p.add_argument(
-            "--l2-gib",
-            type=float,
-            default=EngineConfig.l2_gib,
-            help="host pool (L2) size in GiB (instead of --l2-tokens)",
-        )
+    p.add_argument(
+        "--l2-gib",
+        type=float,
+        default=[EngineConfig.l2_gib] if grid else EngineConfig.l2_gib,
+        metavar="G",
+        help="host pool (L2) size in GiB (instead of --l2-tokens), of the KV --l1-gib counts"
+        + ("; several sizes" if grid else ""),
+        **many,
+    )
     p.add_argument(
         "--host-layout",
         choices=list(HOST_LAYOUTS),
@@ -169,7 +191,8 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         "--l3-gib",
         type=float,
         default=EngineConfig.l3_gib,
-        help="disk bytes of the L3 slabs, in GiB",
+        help="disk tier (L3) size in GiB: of its slabs, or with --model none and --model-shape "
+        "(or --cost-profile) of the modeled KV (the slabs then hold as many pages)",
     )
     p.add_argument(
         "--l3-start",
@@ -289,7 +312,9 @@ def timing_flags(p: argparse.ArgumentParser) -> None:
         choices=list(CLOCKS),
         default=ReplayConfig.clock,
         help="the clock TTFT is measured on: sim (a cost model advances it; deterministic), "
-        "wall (real time; a trace replays in real time), auto (sim with --model none, else wall)",
+        "wall (real time; a trace replays in real time), cpu (the CPU engine's thread CPU time, "
+        "jumping over idle time: steady on a shared machine), auto (sim with --model none, else "
+        "wall)",
     )
     p.add_argument(
         "--sim-tokens-per-s",
@@ -321,6 +346,37 @@ def timing_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def cost_flags(p: argparse.ArgumentParser) -> None:
+    """The simulated clock's cost profile and disk links (beside :func:`timing_flags`)."""
+    p.add_argument(
+        "--cost-profile",
+        default=ReplayConfig.cost_profile,
+        metavar="NAME|FILE",
+        help="the simulated clock's step cost model: a shipped profile ("
+        + ", ".join(sorted(shipped_profiles()))
+        + ") or a JSON file from kvstrata calibrate. Default: the shipped profile of the model "
+        "(--model, or --model-shape) on the device's kind, else an estimate from its shape "
+        "(said so in the summary); without either, the flat --sim-tokens-per-s model",
+    )
+    p.add_argument(
+        "--sim-disk-read-gbps",
+        type=float,
+        default=SimLinks.disk_read_gbps,
+        metavar="G",
+        help="simulated clock: disk tier reads, GB/s (default: the profile's, else dd O_DIRECT "
+        "measured: " + ", ".join(f"{k} {v[0]:g}" for k, v in DISK_DEFAULTS.items()) + ")",
+    )
+    p.add_argument(
+        "--sim-disk-write-gbps",
+        type=float,
+        default=SimLinks.disk_write_gbps,
+        metavar="G",
+        help="simulated clock: disk tier writes, GB/s (default: the profile's, else "
+        + ", ".join(f"{k} {v[1]:g}" for k, v in DISK_DEFAULTS.items())
+        + ")",
+    )
+
+
 def progress_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-progress",
@@ -337,10 +393,11 @@ def replay_config(args: argparse.Namespace) -> ReplayConfig:
         return getattr(args, name, getattr(ReplayConfig, name))
 
     cost = None
-    if (args.sim_tokens_per_s, args.sim_h2d_gbps, args.sim_d2h_gbps) != (None, None, None):
-        cost = CostModel.for_device(
-            args.device, args.sim_tokens_per_s, args.sim_h2d_gbps, args.sim_d2h_gbps
-        )
+    if args.sim_tokens_per_s is not None:
+        cost = CostModel.for_device(args.device, args.sim_tokens_per_s)
+    links = SimLinks(
+        args.sim_h2d_gbps, args.sim_d2h_gbps, args.sim_disk_read_gbps, args.sim_disk_write_gbps
+    )
     return ReplayConfig(
         workload=args.workload,
         limit=args.limit,
@@ -352,7 +409,7 @@ def replay_config(args: argparse.Namespace) -> ReplayConfig:
             page_size=args.page_size,
             pool_tokens=sizes(args.l1_tokens, "--l1-tokens")[0] if grid else args.l1_tokens,
             l2_tokens=sizes(args.l2_tokens, "--l2-tokens")[0] if grid else args.l2_tokens,
-            l2_gib=EngineConfig.l2_gib if grid else args.l2_gib,
+            l2_gib=args.l2_gib[0] if grid else args.l2_gib,
             host_layout=args.host_layout,
             write_policy=args.write_policy[0] if grid else args.write_policy,
             write_through_hits=args.write_through_hits,
@@ -389,6 +446,10 @@ def replay_config(args: argparse.Namespace) -> ReplayConfig:
         arrivals=ArrivalSpec.parse(args.arrivals, args.time_scale),
         clock=args.clock,
         cost=cost,
+        cost_profile=args.cost_profile,
+        model_shape=args.model_shape,
+        sim_links=links,
+        l1_gib=args.l1_gib[0] if grid else args.l1_gib,
         metrics_port=replay_only("metrics_port"),
         metrics_host=replay_only("metrics_host"),
     )

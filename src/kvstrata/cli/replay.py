@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from ..command import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, HelpFormatter
 from ..replay import VERIFY_ATOL, ReplayConfig, ReplayObserver, ReplayRun
-from .flags import engine_flags, progress_flag, replay_config, sizes, timing_flags, workload_flags
+from .flags import (
+    cost_flags,
+    engine_flags,
+    progress_flag,
+    replay_config,
+    sizes,
+    timing_flags,
+    workload_flags,
+)
 
 #: ``kvstrata sweep`` replays cache only unless told otherwise (``--model none``, and with it the
 #: simulated clock): a grid of sizes runs many replays.
@@ -29,6 +38,7 @@ def replay_parser(sub: argparse._SubParsersAction) -> None:
     workload_flags(p, model_default=ReplayConfig.model)
     engine_flags(p, grid=False)
     timing_flags(p)
+    cost_flags(p)
     p.add_argument(
         "--verify",
         type=int,
@@ -189,6 +199,7 @@ def sweep_parser(sub: argparse._SubParsersAction) -> None:
     workload_flags(p, model_default=SWEEP_MODEL)
     engine_flags(p, grid=True)
     timing_flags(p)
+    cost_flags(p)
     p.add_argument(
         "--report",
         required=True,
@@ -214,20 +225,33 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
     require_matplotlib()
     _make_dir(args.report, SWEEP_FILES)
+    base = replay_config(args)
+    l1, l2 = sizes(args.l1_tokens, "--l1-tokens"), sizes(args.l2_tokens, "--l2-tokens")
+    if any(args.l1_gib) or any(args.l2_gib):  # GiB of the modeled KV, in whole pages
+        from ..replay import kv_bytes_per_token, tokens_for_gib
+
+        bpt, P = kv_bytes_per_token(base), base.engine.page_size
+        if any(args.l1_gib):
+            l1 = tuple(tokens_for_gib(g, bpt, P) for g in args.l1_gib)
+        if any(args.l2_gib):
+            l2 = tuple(tokens_for_gib(g, bpt, P) for g in args.l2_gib)
+        base = dataclasses.replace(
+            base, l1_gib=0.0, engine=dataclasses.replace(base.engine, l2_gib=0.0)
+        )
     grid = SweepGrid(
-        l1_tokens=sizes(args.l1_tokens, "--l1-tokens"),
-        l2_tokens=sizes(args.l2_tokens, "--l2-tokens"),
+        l1_tokens=l1,
+        l2_tokens=l2,
         eviction=tuple(args.eviction),
         write_policy=tuple(args.write_policy),
     )
-    base = replay_config(args)
     configs(base, grid)  # every point checked before the first runs
     runs = run_sweep(base, grid, progress=not args.no_progress)
     path = write_sweep_report(args.report, runs)
-    rows = [[label for label, _ in COLUMNS]]
+    rows = [[label for label, _ in COLUMNS] + ["knee"]]
     for run in runs:
-        rows.append([_cell(lookup(run["summary"], key)) for _, key in COLUMNS])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+        cells = [_cell(lookup(run["summary"], key)) for _, key in COLUMNS]
+        rows.append([*cells, "*" if run.get("knee") else ""])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)))
     print(f"report: {path}")

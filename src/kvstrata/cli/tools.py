@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from ..calibrate import calibrate
 from ..check_model import check_model
 from ..command import EXIT_FAILED, EXIT_OK, HelpFormatter
 
@@ -30,6 +31,7 @@ BENCHMARKS = (
     "replay",
     "multi-gpu",
     "tiers",
+    "planner-accuracy",
 )
 
 
@@ -39,6 +41,118 @@ CHECK_DEFAULTS: dict[str, Any] = {
     for name, param in inspect.signature(check_model).parameters.items()
     if param.default is not param.empty
 }
+
+
+#: ``kvstrata calibrate``'s defaults: :func:`~kvstrata.calibrate.calibrate`'s own.
+CALIBRATE_DEFAULTS: dict[str, Any] = {
+    name: param.default
+    for name, param in inspect.signature(calibrate).parameters.items()
+    if param.default is not param.empty
+}
+
+
+def calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="fit a cost profile for the planner's simulated clock to the real engine",
+        description="Drive the engine with a model through a designed set of steps (fresh "
+        "prefills of several lengths, chunks over cached prefixes, batches, and with an L2 "
+        "backups and load-backs), time each, fit the step cost model (per step, request, token "
+        "and attention pair; link GB/s) by least squares, predict a held-back set of other "
+        "steps, print every step's measured and predicted time, and write the profile "
+        "(--cost-profile FILE of kvstrata replay and sweep).",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--model", default=CALIBRATE_DEFAULTS["model"], help="a preset or checkpoint")
+    p.add_argument("--device", default=CALIBRATE_DEFAULTS["device"], help="cpu or cuda")
+    p.add_argument(
+        "--dtype",
+        default=CALIBRATE_DEFAULTS["dtype"],
+        help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)",
+    )
+    p.add_argument("--page-size", type=int, default=CALIBRATE_DEFAULTS["page_size"])
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=CALIBRATE_DEFAULTS["max_tokens"],
+        metavar="N",
+        help="the longest fresh prefill of the design; prefixes reach 2N (default: 2,048 on "
+        "CPU, 16,384 on CUDA)",
+    )
+    p.add_argument(
+        "--l2-tokens",
+        type=int,
+        default=CALIBRATE_DEFAULTS["l2_tokens"],
+        metavar="N",
+        help="the L2 of the backup and load-back steps (default 16 x --max-tokens; 0: no link "
+        "steps, the profile keeps 1 GB/s links)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=CALIBRATE_DEFAULTS["repeats"],
+        help="runs of each design point (their median counts)",
+    )
+    p.add_argument("--seed", type=int, default=CALIBRATE_DEFAULTS["seed"], help="weights, tokens")
+    p.add_argument(
+        "--name",
+        default=CALIBRATE_DEFAULTS["name"],
+        help="the profile's name (default: DEVICE-MODEL-DTYPE)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=CALIBRATE_DEFAULTS["threads"],
+        help="torch intra-op CPU threads while timing (kvstrata replay's default is 1)",
+    )
+    p.add_argument("--out", required=True, metavar="FILE", help="where the profile is written")
+    p.add_argument("--json", action="store_true", help="the profile as one JSON line, last")
+    p.set_defaults(func=_run_calibrate)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    from ..errors import ConfigError
+
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():  # refused before minutes of timing, not after
+        raise ConfigError(
+            f"--out {out}: give a file in an existing directory (where the profile is written)"
+        )
+    cal = calibrate(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_tokens=args.max_tokens,
+        l2_tokens=args.l2_tokens,
+        repeats=args.repeats,
+        seed=args.seed,
+        name=args.name,
+        threads=args.threads,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+        command="kvstrata calibrate " + " ".join(sys.argv[2:]),
+    )
+    print(cal.table())
+    p = cal.profile
+    err = p.provenance.fit_error
+    print(
+        f"profile {p.name}: step {p.step_s * 1e3:.3f} ms + request {p.request_s * 1e3:.3f} ms + "
+        f"token {p.token_s * 1e6:.4f} us + pair {p.pair_s * 1e9:.5f} ns + prefix token "
+        f"{p.prefix_s * 1e9:.3f} ns; h2d {p.h2d_gbps:g} / "
+        f"d2h {p.d2h_gbps:g} GB/s ({p.overlap})"
+    )
+    print(
+        f"fit error: mean {err['mean']:.1%}, max {err['max']:.1%}; held-back steps: mean "
+        f"{err['held_back_mean']:.1%}, max {err['held_back_max']:.1%}"
+    )
+    path = p.save(args.out)
+    print(f"profile: {path}")
+    if args.json:
+        print(json.dumps(p.to_json()))
+    return EXIT_OK
 
 
 def bench_module(name: str) -> str:

@@ -95,6 +95,7 @@ class Engine:
         self.steps = 0
         self.load_wait_s = 0.0  # clock time steps spent waiting for load-back, in total
         self.strategy_steps: dict[str, int] = {}  # CP attention strategy -> steps that used it
+        self.last_work = StepWork(0, 0, 0, 0.0)  # what the last step did (the clock's charge)
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -126,6 +127,9 @@ class Engine:
         self._settle()
         finished = self._admit(started)
         if not self.running:
+            self.last_work = cache.step_work(before, ())
+            if cache.disk is not None:  # the settle may have waited for the disk
+                self.clock.charge(self.last_work)
             return finished
         chosen = self._chunks()
         cache.reserve_backups(chosen)
@@ -133,15 +137,8 @@ class Engine:
         self.group.step = self.steps
         logits = self._forward(chosen, all_logits)
         cache.end_forward()
-        after = cache.moved()
-        self.load_wait_s += self.clock.charge(
-            StepWork(
-                computed_tokens=sum(extend for _, extend in chosen),
-                h2d_bytes=after.h2d_bytes - before.h2d_bytes,
-                d2h_bytes=after.d2h_bytes - before.d2h_bytes,
-                load_wait_s=after.load_wait_s - before.load_wait_s,
-            )
-        )
+        self.last_work = cache.step_work(before, [(run.done_len, e) for run, e in chosen])
+        self.load_wait_s += self.clock.charge(self.last_work)
         now = self.clock.now()
         offset = 0
         for i, (run, extend) in enumerate(chosen):

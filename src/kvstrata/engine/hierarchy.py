@@ -23,6 +23,7 @@ import torch
 from ..cache.allocator import PageAllocator
 from ..cache.keys import TokenKey
 from ..cache.radix import Node, RadixTree
+from ..clock import StepWork
 from ..config import CacheConfig, KVLayout, PoolConfig
 from ..errors import ConfigError, RequestError
 from ..ownership import owners, page_span
@@ -66,6 +67,8 @@ class Moved(NamedTuple):
     h2d_bytes: int
     d2h_bytes: int
     load_wait_s: float
+    disk_read_bytes: int = 0
+    disk_write_bytes: int = 0
 
 
 @dataclass
@@ -320,12 +323,36 @@ class CacheHierarchy:
             torch.cuda.synchronize(self.pool.device)
 
     def moved(self) -> Moved:
-        """Bytes submitted host -> device and device -> host, and the measured load-back wait,
-        so far (what the clock charges a step by)."""
+        """Bytes submitted host -> device and device -> host, the measured load-back wait, and
+        the disk's pages read (verified or not) and made durable, in bytes, so far (what the
+        clock charges a step by)."""
         if self.transfer is None or self.loads is None:
             return Moved(0, 0, 0.0)
         stats = self.transfer.stats()
-        return Moved(stats.h2d_submitted_bytes, stats.d2h_submitted_bytes, self.loads.stats.wait_s)
+        read = written = 0
+        if self.disk is not None:
+            d, page = self.disk.stats, self.layout.page_bytes(self.config.page_size)
+            read, written = (d.reloaded_pages + d.reload_misses) * page, d.spilled_pages * page
+        return Moved(
+            stats.h2d_submitted_bytes, stats.d2h_submitted_bytes, self.loads.stats.wait_s,
+            read, written,
+        )  # fmt: skip
+
+    def step_work(self, before: Moved, chunks: Sequence[tuple[int, int]]) -> StepWork:
+        """What a step did since ``before`` (:meth:`moved`), computing ``chunks``
+        (``(prefix, extend)`` per request), for the clock to charge."""
+        after = self.moved()
+        return StepWork(
+            computed_tokens=sum(e for _, e in chunks),
+            h2d_bytes=after.h2d_bytes - before.h2d_bytes,
+            d2h_bytes=after.d2h_bytes - before.d2h_bytes,
+            load_wait_s=after.load_wait_s - before.load_wait_s,
+            requests=len(chunks),
+            attention_pairs=sum(e * (p + e / 2) for p, e in chunks),
+            prefix_tokens=sum(p for p, _ in chunks),
+            disk_read_bytes=after.disk_read_bytes - before.disk_read_bytes,
+            disk_write_bytes=after.disk_write_bytes - before.disk_write_bytes,
+        )
 
     # -- insert ----------------------------------------------------------------------------------
 

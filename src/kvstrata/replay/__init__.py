@@ -20,7 +20,8 @@ The summary is a :class:`ReplaySummary`; ``to_json()`` is the stable machine-rea
 One idea per module, imports pointing down the list:
 
 ==============  ==================================================================================
-``config``      :class:`ReplayConfig`, validated; the model id and cost model derived from it
+``config``      :class:`ReplayConfig`, validated; the model id derived from it
+``cost``        which cost model the simulated clock runs on, in which bytes (profiles, shapes)
 ``feed``        the workload opened on rank 0, and the requests handed to every rank as they arrive
 ``build``       the compute, and the memory checks before anything large is allocated
 ``state``       a replay in progress (:class:`ReplayRun`), its running totals, its engine time
@@ -34,7 +35,15 @@ One idea per module, imports pointing down the list:
 from __future__ import annotations
 
 from .build import ComputeShape, build_compute, check_memory, compute_shape
-from .config import ReplayConfig, cost_model, model_id
+from .config import ReplayConfig, SimLinks, model_id, uses_sim_clock
+from .cost import (
+    SimCost,
+    describe_cost,
+    kv_bytes_per_token,
+    resolve_cost,
+    resolve_sizes,
+    tokens_for_gib,
+)
 from .feed import Feed, WorkloadSource, open_workload
 from .loop import TRIM_EVERY_STEPS, _agree_on_config, release_free_heap, run_replay
 from .reports import DecodeReport, TierReport, VerifyReport
@@ -63,6 +72,8 @@ __all__ = [
     "ReplayObserver",
     "ReplayRun",
     "ReplaySummary",
+    "SimCost",
+    "SimLinks",
     "TierReport",
     "VerifyReport",
     "VerifySample",
@@ -75,7 +86,12 @@ __all__ = [
     "compare_logits",
     "compute_shape",
     "config_block",
-    "cost_model",
+    "describe_cost",
+    "kv_bytes_per_token",
+    "resolve_cost",
+    "resolve_sizes",
+    "tokens_for_gib",
+    "uses_sim_clock",
     "handoff_transport",
     "model_id",
     "open_workload",

@@ -20,6 +20,17 @@ _MAX_SEED = 2**64 - 1  # torch generators take seeds up to 2**64 - 1
 
 
 @dataclass(frozen=True)
+class SimLinks:
+    """``--sim-h2d-gbps``, ``--sim-d2h-gbps``, ``--sim-disk-read-gbps``,
+    ``--sim-disk-write-gbps``: link rates that replace the cost model's (None keeps its own)."""
+
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
+    disk_read_gbps: float | None = None
+    disk_write_gbps: float | None = None
+
+
+@dataclass(frozen=True)
 class ReplayConfig:
     """Everything ``kvstrata replay`` needs; the CLI is a thin skin over this."""
 
@@ -39,7 +50,11 @@ class ReplayConfig:
     lookahead: int | None = None  # requests read ahead of the engine; None: 2 x max_batch_requests
     arrivals: ArrivalSpec = field(default_factory=ArrivalSpec)  # None kind: from the workload
     clock: str = "auto"  # auto (sim with model "none", else wall), wall or sim
-    cost: CostModel | None = None  # the simulated clock's; None: the device's measured defaults
+    cost: CostModel | None = None  # the flat model (--sim-tokens-per-s); None: see replay/cost.py
+    cost_profile: str | None = None  # a shipped profile's name or a profile JSON file
+    model_shape: str | None = None  # with model "none": the model whose KV and cost it plans
+    sim_links: SimLinks = field(default_factory=SimLinks)  # link rates replacing the model's
+    l1_gib: float = 0.0  # L1 in GiB of KV instead of engine.pool_tokens (replay/cost.py's bytes)
     metrics_port: int | None = None  # serve Prometheus metrics on this port (0: any free one)
     metrics_host: str = "127.0.0.1"
     cp: int = 1  # context-parallel ranks (local processes, or torchrun's world)
@@ -66,10 +81,22 @@ class ReplayConfig:
             )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.model == "none" and self.dtype is not None:
+        if self.model == "none" and self.dtype is not None and self.model_shape is None:
             raise ConfigError(
                 "--dtype applies to a model's K/V; --model none stores uint8 synthetic payloads "
-                "(size them with --kv-width)"
+                "(size them with --kv-width; --model-shape M --dtype D plans model M's KV in D)"
+            )
+        if self.model_shape is not None and self.model != "none":
+            raise ConfigError(
+                f"--model-shape plans a model's KV and cost without running it: it goes with "
+                f"--model none (--model {self.model} runs the model itself)"
+            )
+        if not 0 <= self.l1_gib <= 2**20:
+            raise ConfigError(f"--l1-gib must lie in [0, 1048576], got {self.l1_gib!r}")
+        if self.cost is not None and self.cost_profile is not None:
+            raise ConfigError(
+                "--sim-tokens-per-s is the flat cost model; --cost-profile brings its own "
+                "compute terms: give one of them"
             )
         if self.attention not in ATTENTION_BACKENDS:
             raise ConfigError(
@@ -82,8 +109,13 @@ class ReplayConfig:
         self._check_verify_atol()
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be >= 1, got {self.limit}")
-        if self.clock not in ("auto", "wall", "sim"):
-            raise ConfigError(f"--clock must be auto, wall or sim, got {self.clock!r}")
+        if self.clock not in ("auto", "wall", "sim", "cpu"):
+            raise ConfigError(f"--clock must be auto, wall, sim or cpu, got {self.clock!r}")
+        if self.clock == "cpu" and (self.engine.device != "cpu" or self.cp > 1):
+            raise ConfigError(
+                "--clock cpu times the replay thread's CPU: the CPU engine in one process only "
+                "(--device cpu, no --cp)"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must lie in [0, 65535], got {self.metrics_port}")
         if not self.metrics_host.strip():
@@ -141,6 +173,6 @@ def model_id(cfg: ReplayConfig) -> str:
     return weights_id(cfg.model, cfg.seed, cfg.engine.device, cfg.draft_model)  # the weights
 
 
-def cost_model(cfg: ReplayConfig) -> CostModel:
-    """The simulated clock's cost model: ``cfg.cost``, or the device's measured defaults."""
-    return cfg.cost or CostModel.for_device(cfg.engine.device)
+def uses_sim_clock(cfg: ReplayConfig) -> bool:
+    """Whether the replay runs on the simulated clock (``auto``: with ``--model none``)."""
+    return cfg.clock == "sim" or (cfg.clock == "auto" and cfg.model == "none")

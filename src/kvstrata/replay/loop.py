@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 import torch
 
 from .. import __version__
-from ..clock import make_clock
+from ..clock import CpuClock, WallClock, make_clock
 from ..dist.agree import agree_on_config
 from ..dist.group import Group, SoloGroup
 from ..dist.launch import run_ranks, run_torchrun, under_torchrun
@@ -24,7 +24,8 @@ from ..metrics import CacheMetrics, MetricsServer
 from ..model.compute import Compute
 from ..progress import Progress
 from .build import build_compute, check_memory, compute_shape
-from .config import ReplayConfig, cost_model, model_id
+from .config import ReplayConfig, model_id, uses_sim_clock
+from .cost import resolve_cost, resolve_sizes
 from .feed import Feed, open_workload
 from .reports import VerifyReport
 from .state import Driven, EngineTimer, ReplayObserver, ReplayRun, _Tally
@@ -54,6 +55,7 @@ def run_replay(
     while requests run ends the replay early: the summary covers the requests finished so far
     and says ``interrupted``.
     """
+    cfg = resolve_sizes(cfg)  # sizes in GiB into tokens, before any rank starts
     if cfg.handoff_dir is not None and cfg.cp == 1 and not under_torchrun():
         raise ConfigError(
             "--handoff-dir is where context-parallel ranks hand their parts over; one rank "
@@ -123,15 +125,21 @@ def _run(
     # Under CP a request spreads over every rank's pool, so cp pools bound its length.
     pool_tokens = cfg.engine.pool_pages * cfg.engine.page_size * group.size
     source = open_workload(cfg, group, shape.vocab_size, min(shape.max_seq_len, pool_tokens))
-    cost = cost_model(cfg)
+    cost = resolve_cost(cfg, shape.layout.page_bytes(1)) if uses_sim_clock(cfg) else None
     check_memory(cfg, shape)
     compute = compute or build_compute(cfg)
-    clock = make_clock(cfg.clock, cfg.model, cost)
+    clock = (
+        make_clock("sim", cfg.model, cost.coster, cost.byte_scale)
+        if cost is not None
+        else CpuClock()
+        if cfg.clock == "cpu"
+        else WallClock()
+    )
     engine = Engine(compute, cfg.engine, group=group, clock=clock, model_id=model_id(cfg))
     sample = VerifySample(
         cfg.verify, cfg.seed, engine.keep_logits, engine.keep_handoff if cfg.decode_tokens else None
     )
-    run = ReplayRun(cfg, engine, _Tally(), clock, threading.Lock())
+    run = ReplayRun(cfg, engine, _Tally(), clock, threading.Lock(), cost=cost)
     try:
         with _serve_metrics(run):
             feed = Feed(group, source, cfg.seed, clock)

@@ -8,7 +8,7 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from ..clock import Clock
 from ..engine import Engine, Finished
 from ..metrics import CacheMetrics, RequestTotals
 from .config import ReplayConfig
+
+if TYPE_CHECKING:
+    from .cost import SimCost
 
 #: Failed requests and skipped trace lines a summary lists by message (the counts are complete).
 LISTED_ERRORS = 20
@@ -48,6 +51,8 @@ class _Tally:
     computed_tokens: int = 0
     l2_cached_tokens: int = 0  # loaded back from L2, L3's reloads included
     l3_cached_tokens: int = 0
+    prompt_sq: int = 0  # sums of squares: attention pairs without the cache and saved by it
+    cached_sq: int = 0
     # Per served request (25 bytes each): TTFT, its queue and load-back parts, whether it hit.
     ttft_s: array[float] = field(default_factory=lambda: array("d"))
     queue_s: array[float] = field(default_factory=lambda: array("d"))
@@ -67,6 +72,8 @@ class _Tally:
         self.computed_tokens += f.computed_len
         self.l2_cached_tokens += f.host_len
         self.l3_cached_tokens += f.disk_len
+        self.prompt_sq += f.prompt_len * f.prompt_len
+        self.cached_sq += f.cached_len * f.cached_len
         self.ttft_s.append(f.ttft_s)
         self.queue_s.append(f.queue_s)
         self.load_wait_s.append(f.load_wait_s)
@@ -147,3 +154,4 @@ class ReplayRun:
     lock: threading.Lock  # held around every engine call; a metrics scrape takes it too
     metrics_url: str | None = None
     metrics: CacheMetrics | None = None  # the collector, while metrics are served
+    cost: SimCost | None = None  # the simulated clock's cost model (None on the wall clock)

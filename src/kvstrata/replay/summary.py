@@ -17,8 +17,10 @@ from ..cache.node import TreeStats
 from ..dist.group import Group
 from ..model.compute import Compute
 from ..workloads import SkippedLine
-from .config import ReplayConfig, cost_model
+from .config import ReplayConfig
+from .cost import describe_cost
 from .feed import WorkloadSource
+from .planning import planner_block, planner_rows
 from .reports import TierReport, VerifyReport
 from .state import LISTED_ERRORS, Driven, ReplayRun, percentiles
 
@@ -58,6 +60,8 @@ class ReplaySummary:
     arrivals: str = "burst"
     cpu_seconds: float = 0.0  # CPU time of the replay's thread in the engine
     rank: int = 0  # the CP rank that wrote this summary (only rank 0's is printed)
+    # The capacity planner's answers on the simulated clock (replay/planning.py); None on wall.
+    planner: dict[str, Any] | None = None
 
     @property
     def hit_ratio(self) -> float:
@@ -95,6 +99,7 @@ class ReplaySummary:
             "ttft_by_hit_ms": self.ttft_by_hit_ms,
             "arrivals": self.arrivals,
             "clock": self.clock,
+            "planner": self.planner,
             "seconds": round(self.seconds, 3),
             "cpu_seconds": round(self.cpu_seconds, 3),
             "steps": self.steps,
@@ -158,6 +163,12 @@ class ReplaySummary:
             )
         if self.tiers is not None:
             rows += self.tiers.rows(self.cached_tokens)
+        cost = self.clock.get("cost") if self.clock else None
+        if cost is not None and "provenance" in cost:
+            rows.append(("cost profile", self.describe_profile()))
+        if self.clock.get("disk_wait_s"):
+            rows.append(("disk wait (sim)", f"{self.clock['disk_wait_s'] * 1e3:,.1f} ms in all"))
+        rows += planner_rows(self.planner, bool(self.config.get("l3_dir")))
         if self.config.get("cp", 1) > 1:
             steps = ", ".join(f"{k} {v:,}" for k, v in self.config["cp_attention_steps"].items())
             moved = sum(self.config["cp_bytes_per_rank"].values())
@@ -179,12 +190,30 @@ class ReplaySummary:
         """The clock the times are on, in words."""
         if not self.clock:
             return "wall"
-        if self.clock["kind"] == "wall":
-            return f"wall, {self.clock['seconds']:,.1f} s"
+        if self.clock["kind"] in ("wall", "cpu"):
+            return f"{self.clock['kind']}, {self.clock['seconds']:,.1f} s"
         cost = self.clock["cost"]
+        if "provenance" in cost:
+            return f"simulated {self.clock['seconds']:,.1f} s (profile {cost['name']})"
         return (
             f"simulated {self.clock['seconds']:,.1f} s ({cost['tokens_per_s']:,.0f} tokens/s, "
             f"h2d {cost['h2d_gbps']:g} / d2h {cost['d2h_gbps']:g} GB/s)"
+        )
+
+    def describe_profile(self) -> str:
+        """The cost profile, its kind and provenance, in words (an estimate says so)."""
+        cost = self.clock["cost"]
+        prov = cost["provenance"]
+        err = prov.get("fit_error", {})
+        fit = f", fit error mean {err['mean']:.1%}" if "mean" in err else ""
+        kind = (
+            "ESTIMATE from the model's shape and the device's matmul rate, not calibrated"
+            if cost["kind"] == "estimate"
+            else cost["kind"]
+        )
+        return (
+            f"{cost['name']}: {kind}; {prov['model']} {prov['dtype']} on {prov['device']}"
+            f"{fit}{', ' + prov['date'] if prov.get('date') else ''}"
         )
 
     def problems(self) -> list[str]:
@@ -227,6 +256,7 @@ def config_block(
     block = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _NOT_COPIED}
     block |= {_RENAMED.get(k, k): v for k, v in asdict(engine).items() if k not in _HIDDEN}
     block["remote"] = shown_url(engine.remote_url)
+    block["sim_links"] = asdict(cfg.sim_links)
     applies = {
         ("l3_gib", "l3_start", "l3_min_hits"): bool(engine.l3_dir),
         ("remote_gib", "remote_timeout_ms", "remote_min_hits"): bool(engine.remote_url),
@@ -294,8 +324,20 @@ def summarize(
         clock={
             "kind": clock.kind,
             "seconds": round(clock.now(), 6),
-            "cost": asdict(cost_model(cfg)) if clock.kind == "sim" else None,
+            "cost": describe_cost(run.cost) if run.cost is not None else None,
+            "disk_wait_s": round(getattr(clock, "disk_wait_s", 0.0), 6),
+            "disk_busy_s": round(getattr(clock, "disk_busy_s", 0.0), 6),
+            # Steps' own time on the clock (sim: their cost; wall / cpu: the engine's time).
+            "busy_s": round(
+                getattr(
+                    clock,
+                    "busy_s",
+                    driven.timer.cpu_s if clock.kind == "cpu" else driven.timer.wall_s,
+                ),
+                6,
+            ),
         },
         arrivals=source.arrivals.describe(),
         rank=group.rank,
+        planner=planner_block(engine, tally, run.cost),
     )

@@ -1,0 +1,63 @@
+"""``kvstrata bench planner-accuracy`` on the CPU with the tiny model: a trace window replayed
+with the model (the CPU clock) and predicted by ``--model none`` with the shipped CPU profile,
+same sizes and arrivals; every figure measured, predicted and its error, in the table and the
+JSON line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import trace_line, write_trace
+
+from kvstrata.benchmarks import planneraccuracy
+from kvstrata.errors import ConfigError
+
+pytestmark = pytest.mark.slow
+
+
+def test_window_parse_and_write(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", [trace_line(600, [i], 100 * i) for i in range(5)])
+    window = planneraccuracy.Window.parse("1:3")
+    lines = window.write(trace, tmp_path).read_text().splitlines()
+    assert [json.loads(line)["hash_ids"] for line in lines] == [[1], [2], [3]]
+    with pytest.raises(ConfigError, match="runs past its end"):
+        planneraccuracy.Window.parse("3:5").write(trace, tmp_path)
+    with pytest.raises(ConfigError, match="START:COUNT"):
+        planneraccuracy.Window.parse("3")
+
+
+def test_cpu_measured_against_predicted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Conversations: each turn re-sends the last one's blocks plus one, 300 ms apart.
+    lines = [trace_line(512 * (t + 1) - 100, list(range(10 * c, 10 * c + t + 1)), 300 * (4 * t + c))
+             for t in range(3) for c in range(4)]  # fmt: skip
+    trace = write_trace(tmp_path / "t.jsonl", lines)
+    code = planneraccuracy.main(
+        [
+            "--trace",
+            str(trace),
+            "--device",
+            "cpu",
+            "--windows",
+            "0:12",
+            "--time-scales",
+            "1",
+            "0.25",
+            "--l1-tokens",
+            "16384",
+            "--l2-tokens",
+            "32768",
+        ]  # fmt: skip
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert doc["bench"] == "planner-accuracy" and len(doc["results"]) == 2
+    for result in doc["results"]:
+        assert result["profile"] == "cpu-2core-tiny-fp32" and result["measured_clock"] == "cpu"
+        rows = {r["figure"]: r for r in result["rows"]}
+        assert set(rows) == {label for label, _, _ in planneraccuracy.FIGURES}
+        assert rows["TTFT mean ms"]["measured"] > 0 and rows["TTFT mean ms"]["predicted"] > 0
+        assert abs(rows["hit ratio"]["error"]) < 0.05  # the cache decides alike on both clocks
+    assert "TTFT p90 ms" in out and "window 0:12, time scale 0.25" in out
