@@ -80,20 +80,6 @@ BASE = {
         "10",
     ],
     "bench memory": ["bench", "memory", "--sizes", "2", "--l1-tokens", "300000"],
-    "bench tiers": [  # listed so the walk sees every benchmark (its flags are not fuzzed yet)
-        "bench",
-        "tiers",
-        "--device",
-        "cpu",
-        "--prefix",
-        "256",
-        "--suffix",
-        "32",
-        "--repeats",
-        "1",
-        "--dir",
-        OUT,
-    ],  # fmt: skip
     "calibrate": [
         "calibrate",
         "--max-tokens",
