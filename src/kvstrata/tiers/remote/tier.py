@@ -33,6 +33,11 @@ class RemotePages:
         return f"at {self.remote.address.shown}"
 
     @property
+    def num_slots(self) -> int:
+        """The pages this rank's budget holds (what a disk store's slots are to the planner)."""
+        return self.remote.budget_bytes // self.remote.page_bytes
+
+    @property
     def io_timeout_s(self) -> float:
         """The longest the engine waits for the store's work of one step: every round trip of
         a batch may take the socket timeout, and the store's own waits are twice it."""
