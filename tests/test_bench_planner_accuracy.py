@@ -20,8 +20,15 @@ pytestmark = pytest.mark.slow
 def test_window_parse_and_write(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.jsonl", [trace_line(600, [i], 100 * i) for i in range(5)])
     window = planneraccuracy.Window.parse("1:3")
-    lines = window.write(trace, tmp_path).read_text().splitlines()
-    assert [json.loads(line)["hash_ids"] for line in lines] == [[1], [2], [3]]
+    path, left_out = window.write(trace, tmp_path)
+    lines = path.read_text().splitlines()
+    assert left_out == 0 and [json.loads(line)["hash_ids"] for line in lines] == [[1], [2], [3]]
+    # Lines longer than the model takes are left out of both replays, and counted.
+    long = write_trace(tmp_path / "l.jsonl", [trace_line(600 if i != 2 else 2000, [i], 100 * i)
+                                              for i in range(5)])  # fmt: skip
+    path, left_out = window.write(long, tmp_path, max_input=1024)
+    assert left_out == 1
+    assert [json.loads(line)["hash_ids"] for line in path.read_text().splitlines()] == [[1], [3]]
     with pytest.raises(ConfigError, match="runs past its end"):
         planneraccuracy.Window.parse("3:5").write(trace, tmp_path)
     with pytest.raises(ConfigError, match="START:COUNT"):

@@ -51,9 +51,11 @@ class Window:
             raise ConfigError(f"--windows takes START:COUNT (e.g. 0:300), got {text!r}")
         return cls(int(start), int(count))
 
-    def write(self, trace: Path, out: Path) -> Path:
-        """The window's lines of ``trace`` as a trace of its own."""
-        lines = []
+    def write(self, trace: Path, out: Path, max_input: int | None = None) -> tuple[Path, int]:
+        """The window's lines of ``trace`` as a trace of its own, and how many were left out:
+        with ``max_input``, lines whose ``input_length`` exceeds it (the model cannot take them,
+        and both replays must see the same requests)."""
+        lines, left_out = [], 0
         with trace.open() as f:
             for i, line in enumerate(f):
                 if i >= self.start + self.count:
@@ -65,9 +67,19 @@ class Window:
                 f"{trace} has {self.start + len(lines)} lines; window "
                 f"{self.start}:{self.count} runs past its end"
             )
+        if max_input is not None:
+            kept = [line for line in lines if _input_length(line) <= max_input]
+            lines, left_out = kept, len(lines) - len(kept)
         path = out / f"window-{self.start}-{self.count}.jsonl"
         path.write_text("".join(lines))
-        return path
+        return path, left_out
+
+
+def _input_length(line: str) -> int:
+    try:
+        return int(json.loads(line).get("input_length", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0  # a malformed line: the replays' --on-error decides
 
 
 #: (label, path in the summary's JSON, how the error is taken: relative or absolute)
@@ -142,6 +154,13 @@ def build_parser() -> CommandParser:
     p.add_argument("--max-batch-requests", type=int, default=EngineConfig.max_batch_requests)
     p.add_argument("--attention", default=ReplayConfig.attention, help="as kvstrata replay's")
     p.add_argument("--seed", type=int, default=ReplayConfig.seed)
+    p.add_argument(
+        "--on-error",
+        choices=["stop", "skip"],
+        default=ReplayConfig.on_error,
+        help="a trace line the measured replay cannot take (malformed, or longer than the "
+        "model's positions and --l1-tokens): stop, or leave it out of both replays (counted)",
+    )
     return p
 
 
@@ -169,6 +188,7 @@ def configs(args: Any, trace: str, scale: float) -> tuple[ReplayConfig, ReplayCo
         attention=args.attention,
         seed=args.seed,
         threads=1,
+        on_error=args.on_error,
     )
     profile = args.cost_profile
     if profile is None:  # what a replay of the model on the simulated clock would pick
@@ -195,6 +215,7 @@ def configs(args: Any, trace: str, scale: float) -> tuple[ReplayConfig, ReplayCo
         clock="sim",
         seed=args.seed,
         threads=1,
+        on_error=args.on_error,
     )
     return measured, predicted
 
@@ -213,7 +234,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="kvstrata-accuracy-") as tmp:
         for window in windows:
-            path = str(window.write(trace, Path(tmp)))
+            limit = None
+            if args.on_error == "skip":
+                model = args.model or ("llama-3.2-1b" if args.device.startswith("cuda") else "tiny")
+                limit = min(args.l1_tokens, read_model_config(model).max_position_embeddings)
+            written, left_out = window.write(trace, Path(tmp), limit)
+            path = str(written)
+            if left_out:
+                print(
+                    f"window {window.start}:{window.count}: {left_out} line(s) over {limit:,} "
+                    "input tokens left out of both replays"
+                )
             for scale in args.time_scales:
                 measured_cfg, predicted_cfg = configs(args, path, scale)
                 measured = run_replay(measured_cfg, progress=False).to_json()
@@ -222,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(
                     {
                         "window": f"{window.start}:{window.count}",
+                        "left_out": left_out,
                         "time_scale": scale,
                         "rows": rows,
                         "profile": predicted["clock"]["cost"]["name"],
