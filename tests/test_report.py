@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import shutil
 import subprocess
@@ -9,37 +10,54 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from helpers import trace_line, write_trace
 
 from kvstrata.cli import main
-from kvstrata.report import PLOTS, flatten
+from kvstrata.headline import replay_headline
+from kvstrata.report import PLOTS
+from kvstrata.report_html import flatten, lookup
+from kvstrata.sweep import SWEEP_FILES
 from kvstrata.timeline import Timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 class Cells(HTMLParser):
-    """Collects every element's ``data-key`` and text, and every image source."""
+    """Collects every element's ``data-key`` and text (``values``: the last of each key;
+    ``keyed``: every one, in page order), every share's ``data-num`` / ``data-den`` and text, and
+    every image source."""
 
     def __init__(self) -> None:
         super().__init__()
         self.values: dict[str, str] = {}
+        self.keyed: list[tuple[str, str]] = []
+        self.shares: list[tuple[str, str, str]] = []
         self.images: list[str] = []
-        self._key: str | None = None
+        self._cell: list[str] | None = None
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = dict(attrs)
         if tag == "img":
             self.images.append(a["src"] or "")
-        self._key = a.get("data-key")
-        if self._key is not None:
-            self.values[self._key] = ""
+        self._cell = None
+        if a.get("data-key") is not None:
+            self._cell = [a["data-key"] or "", ""]
+        elif a.get("data-num") is not None:
+            self._cell = [a["data-num"] or "", a["data-den"] or "", ""]
 
     def handle_data(self, data: str) -> None:
-        if self._key is not None:
-            self.values[self._key] += data
+        if self._cell is not None:
+            self._cell[-1] += data
 
     def handle_endtag(self, tag: str) -> None:
-        self._key = None
+        if self._cell is not None and len(self._cell) == 2:
+            key, text = self._cell
+            self.values[key] = text
+            self.keyed.append((key, text))
+        elif self._cell is not None:
+            num, den, text = self._cell
+            self.shares.append((num, den, text))
+        self._cell = None
 
 
 def parse(text: str) -> Cells:
@@ -49,14 +67,28 @@ def parse(text: str) -> Cells:
 
 
 def same(shown: str, value: object) -> bool:
-    """Whether a cell's text shows ``value`` (numbers compared as numbers)."""
+    """Whether a cell's text shows ``value`` (numbers compared as numbers; a percentage to the
+    one decimal it shows)."""
     if value is None:
         return shown == "—"
     if isinstance(value, bool):
         return shown == ("true" if value else "false")
+    if isinstance(value, (int, float)) and shown.endswith("%"):
+        return abs(float(shown[:-1]) - 100 * value) <= 0.05 + 1e-9
     if isinstance(value, (int, float)):
         return float(shown.replace(",", "")) == float(value)
     return shown == str(value)
+
+
+def check_cells(cells: Cells, data: object) -> None:
+    """Every keyed cell of a page shows the value at its path of ``data``, and every share is
+    its two paths' quotient."""
+    for key, shown in cells.keyed:
+        assert same(shown, lookup(data, key)), (key, shown, lookup(data, key))
+    for num, den, shown in cells.shares:
+        a, b = lookup(data, num), lookup(data, den)
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)), (num, den)
+        assert same(shown, a / b) if b else shown == "—", (num, den, shown)
 
 
 @pytest.fixture(scope="module")
@@ -97,21 +129,46 @@ def test_every_number_of_the_page_is_summary_json(report_dir: Path) -> None:
     assert set(cells.values) == set(leaves)
     for key, value in leaves.items():
         assert same(cells.values[key], value), (key, cells.values[key], value)
+    check_cells(cells, data)  # the headline's cells too
     # What a reader looks for first is there, and has moved between tiers.
     assert data["hit_tokens_by_tier"]["l2"] > 0 and data["tiers"]["h2d_bytes"] > 0
     assert "ttft_parts_ms.queue.p99" in cells.values
     assert data["verify"]["payload_mismatched_bytes"] == 0
 
 
-def test_the_page_shows_every_plot_and_its_header(report_dir: Path) -> None:
-    html = (report_dir / "report.html").read_text()
-    cells = parse(html)
-    assert sorted(cells.images) == sorted(PLOTS)
-    for name in PLOTS:
-        assert (report_dir / name).read_bytes().startswith(PNG_MAGIC), name
-    for heading in ("Configuration", "Versions", "Machine", "Numbers"):
-        assert f"<h2>{heading}</h2>" in html
-    assert "synthetic:1:150" in html and "matplotlib" in html and "cpu cores" in html
+def test_the_page_opens_with_the_answer(report_dir: Path) -> None:
+    """Before the plots: the hit ratio of each tier (its hit tokens over the prompt tokens), the
+    tokens and compute seconds saved, and TTFT p50 / p90 with its parts' shares."""
+    data = json.loads((report_dir / "summary.json").read_text())
+    text = (report_dir / "report.html").read_text()
+    head = text[: text.index("<img")]
+    assert '<section id="headline">' in head
+    cells = parse(head)
+    shares = {(num, den) for num, den, _ in cells.shares}
+    for tier in ("l1", "l2"):
+        assert (f"hit_tokens_by_tier.{tier}", "prompt_tokens") in shares
+    assert ("hit_tokens_by_tier.l3", "prompt_tokens") not in shares  # no disk tier in this run
+    for part in ("queue", "load_back", "compute"):
+        assert (f"ttft_parts_ms.{part}.mean", "ttft_ms.mean") in shares
+        assert f"ttft_parts_ms.{part}.p90" in cells.values
+    for key in (
+        "hit_ratio",
+        "cached_tokens",
+        "ttft_ms.p50",
+        "ttft_ms.p90",
+        "planner.compute_s_saved",
+        "planner.compute_s_no_cache",
+        "clock.cost.kind",
+    ):
+        assert key in cells.values, key
+    check_cells(cells, data)
+    # The parts' means add up to TTFT's mean (the split the block shows).
+    parts = data["ttft_parts_ms"]
+    assert sum(p["mean"] for p in parts.values()) == pytest.approx(
+        data["ttft_ms"]["mean"], abs=2e-3
+    )
+    # The setup tables follow the plots.
+    assert text.index("<h2>Configuration</h2>") > text.rindex("<img")
 
 
 def test_timeline_stays_bounded_and_evenly_spaced() -> None:
@@ -158,46 +215,51 @@ def test_report_needs_matplotlib(
     assert "kvstrata[report]" in capsys.readouterr().err
 
 
-_CHECK = """
+#: Appended to a copy of a page: once every image has loaded, writes each table's and image's box
+#: (page coordinates, CSS px) into the DOM, where ``--dump-dom`` reads it.
+_BOXES = """
 <script>
 window.addEventListener("load", () => {
-  const images = [...document.images];
-  const bad = images.filter((i) => !(i.complete && i.naturalWidth > 0)).map((i) => i.src);
+  const box = (e) => {
+    const r = e.getBoundingClientRect();
+    const section = e.closest("section");
+    return {left: r.left + scrollX, top: r.top + scrollY, right: r.right + scrollX,
+            bottom: r.bottom + scrollY, section: section ? section.id : null};
+  };
   const out = document.createElement("pre");
-  out.id = "image-check";
-  out.textContent = JSON.stringify({images: images.length, broken: bad});
+  out.id = "boxes";
+  out.textContent = JSON.stringify({
+    viewport: window.innerWidth,
+    height: document.documentElement.scrollHeight,
+    scrollWidth: document.documentElement.scrollWidth,
+    tables: [...document.querySelectorAll("table")].map(box),
+    images: [...document.images].map((i) => ({
+      src: i.getAttribute("src"), loaded: i.complete && i.naturalWidth > 0, ...box(i)})),
+  });
   document.body.appendChild(out);
 });
 </script>
 """
+WIDTH = 1400  # CSS px: a laptop's browser window
 
 
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.browser
-@pytest.mark.slow
-def test_headless_chromium_loads_every_image(report_dir: Path, tmp_path: Path) -> None:
-    browser = _chromium()
-    if browser is None:
-        pytest.skip(
-            "no chromium on PATH: scripts/setup.sh installs Debian's chromium where apt is "
-            "available (apt-get install chromium)"
-        )
-    # A copy of the page beside its images, with a script that reports every image once loaded.
-    page = report_dir / "browser-check.html"
-    page.write_text((report_dir / "report.html").read_text().replace("</body>", _CHECK + "</body>"))
+def _headless(browser: str, page: Path, profile: Path, *args: str) -> str:
+    """Run headless Chromium on ``page`` with ``args``; its stdout."""
     out = subprocess.run(
         [
             browser,
             "--headless",
             "--no-sandbox",  # tests run as root in CI
             "--disable-gpu",
+            "--hide-scrollbars",  # the viewport is the whole window's width
             "--allow-file-access-from-files",
-            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--user-data-dir={profile}",
             "--virtual-time-budget=10000",
-            "--dump-dom",
+            *args,
             page.as_uri(),
         ],
         capture_output=True,
@@ -206,12 +268,101 @@ def test_headless_chromium_loads_every_image(report_dir: Path, tmp_path: Path) -
         check=False,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    dom = parse(out.stdout)
-    assert sorted(dom.images) == sorted(PLOTS)
-    marker = out.stdout.split('<pre id="image-check">', 1)
-    assert len(marker) == 2, f"the check script did not run:\n{out.stdout[-2000:]}"
-    result = json.loads(marker[1].split("</pre>", 1)[0].replace("&quot;", '"'))
-    assert result == {"images": len(PLOTS), "broken": []}
+    return out.stdout
+
+
+def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
+    """Whether two boxes share an area (touching edges do not count)."""
+    return min(a["right"], b["right"]) > max(a["left"], b["left"]) and min(
+        a["bottom"], b["bottom"]
+    ) > max(a["top"], b["top"])
+
+
+@pytest.fixture(scope="module")
+def sweep_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small real sweep's report over a trace file (its path in the configuration, as a user's
+    is): two curves (L2 0 and 64k) over two L1 sizes."""
+    # 60 requests of 6 conversations, each turn its conversation's prefix and one more block.
+    lines = [
+        trace_line(512 * (2 + k // 6), [1000 * (k % 6) + b for b in range(2 + k // 6)], 100 * k)
+        for k in range(60)
+    ]
+    traces = tmp_path_factory.mktemp("mooncake-traces")
+    trace = write_trace(traces / "conversation_trace_first_60_requests.jsonl", lines)
+    out = tmp_path_factory.mktemp("sweep-report")
+    code = main(
+        [
+            "sweep",
+            "--trace",
+            str(trace),
+            "--l1-tokens",
+            "8k",
+            "32k",
+            "--l2-tokens",
+            "0",
+            "64k",
+            "--kv-width",
+            "4",
+            "--no-progress",
+            "--report",
+            str(out),
+        ]
+    )
+    assert code == 0
+    return out
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["replay", "sweep"])
+def test_a_browser_shows_the_page_readably(
+    which: str, report_dir: Path, sweep_report: Path, tmp_path: Path
+) -> None:
+    """The page as a person sees it at 1400 px: the answer first, then every plot at least 500 px
+    wide and loaded, then the configuration; no table's box over another's. The screenshot is
+    left in ``tmp_path``."""
+    browser = _chromium()
+    if browser is None:
+        pytest.skip(
+            "no chromium on PATH: scripts/setup.sh installs Debian's chromium where apt is "
+            "available (apt-get install chromium)"
+        )
+    directory = report_dir if which == "replay" else sweep_report
+    page = directory / "browser-check.html"
+    page.write_text((directory / "report.html").read_text().replace("</body>", _BOXES + "</body>"))
+    dom = _headless(browser, page, tmp_path / "profile", f"--window-size={WIDTH},900", "--dump-dom")
+    marker = dom.split('<pre id="boxes">', 1)
+    assert len(marker) == 2, f"the check script did not run:\n{dom[-2000:]}"
+    boxes = json.loads(html.unescape(marker[1].split("</pre>", 1)[0]))
+    assert boxes["viewport"] == WIDTH
+    assert boxes["scrollWidth"] <= WIDTH, "the page scrolls sideways"
+    shot = tmp_path / f"{which}.png"
+    height = min(int(boxes["height"]), 16000)
+    _headless(
+        browser,
+        page,
+        tmp_path / "profile",
+        f"--window-size={WIDTH},{height}",
+        f"--screenshot={shot}",
+    )
+    assert shot.read_bytes().startswith(PNG_MAGIC)
+
+    images, tables = boxes["images"], boxes["tables"]
+    expected = PLOTS if which == "replay" else SWEEP_FILES[1:-1]
+    assert sorted(i["src"] for i in images) == sorted(expected)
+    for image in images:
+        assert image["loaded"], image
+        assert image["right"] - image["left"] >= 500, (f"a thumbnail at {WIDTH} px", image)
+    for i, a in enumerate(tables):
+        for b in tables[i + 1 :]:
+            assert not _overlap(a, b), ("two tables overlap", a, b, f"screenshot: {shot}")
+    # The answer first, then the plots, then the configuration and versions.
+    headline = [t for t in tables if t["section"] == "headline"]
+    setup = [t for t in tables if t["section"] == "setup"]
+    assert headline and setup, "the page has a headline block and a setup block"
+    first_plot = min(i["top"] for i in images)
+    assert max(t["bottom"] for t in headline) <= first_plot
+    assert max(i["bottom"] for i in images) <= min(t["top"] for t in setup)
 
 
 def test_the_report_shows_the_disk_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,6 +384,10 @@ def test_the_report_shows_the_disk_tier(tmp_path: Path, monkeypatch: pytest.Monk
     for tier in ("l1", "l2", "l3"):
         assert timeline.column(f"{tier}_hit_tokens")[-1] == by_tier[tier], tier
     assert timeline.l3_pages > 0 and timeline.column("l3_pages_used").max() > 0
+    # The headline gives the disk tier its own share of the prompt tokens.
+    cells = parse(replay_headline(summary))
+    assert ("hit_tokens_by_tier.l3", "prompt_tokens") in {(n, d) for n, d, _ in cells.shares}
+    check_cells(cells, summary)
     figures: list[object] = []
     monkeypatch.setattr(report, "save", lambda fig, path: figures.append(fig))
     report.plot_hit_ratio(timeline, tmp_path / "h.png")

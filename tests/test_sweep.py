@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from test_report import parse, same
+from test_report import check_cells, parse
 
 from kvstrata.cli import main
 from kvstrata.compare import compare, load_summary, ratio
 from kvstrata.errors import ConfigError
 from kvstrata.replay import ReplayConfig
-from kvstrata.sweep import COLUMNS, SweepGrid, configs, lookup, parse_sizes
+from kvstrata.sweep import COLUMNS, SweepGrid, configs, parse_sizes
 
 SIZES = ["16k", "64k", "256k"]
 
@@ -68,13 +68,24 @@ def test_sweep_runs_every_point_and_lru_hits_more_with_more_cache(sweep_dir: Pat
 
 
 def test_sweep_page_numbers_are_sweep_json(sweep_dir: Path) -> None:
-    runs = json.loads((sweep_dir / "sweep.json").read_text())["runs"]
-    cells = parse((sweep_dir / "report.html").read_text())
+    doc = json.loads((sweep_dir / "sweep.json").read_text())
+    runs = doc["runs"]
+    text = (sweep_dir / "report.html").read_text()
+    cells = parse(text)
     assert sorted(cells.images) == ["hit_ratio.png", "tiers.png", "ttft.png"]
-    assert len(cells.values) == len(runs) * len(COLUMNS)
-    for key, shown in cells.values.items():
-        _, i, _, path = key.split(".", 3)
-        assert same(shown, lookup(runs[int(i)]["summary"], path)), key
+    table = {f"runs.{i}.summary.{key}" for i in range(len(runs)) for _, key in COLUMNS}
+    assert table <= set(cells.values)
+    check_cells(cells, doc)
+    # The page opens with each curve's knee: its size, hit ratio, TTFT p50 / p90.
+    head = parse(text[: text.index("<img")])
+    for i, run in enumerate(runs):
+        shown = f"runs.{i}.point.l1_tokens" in head.values
+        assert shown == run["knee"], (i, run["knee"])
+        if run["knee"]:
+            for key in ("hit_ratio", "ttft_ms.p50", "ttft_ms.p90", "planner.compute_s_saved"):
+                assert f"runs.{i}.summary.{key}" in head.values, key
+            pair = (f"runs.{i}.summary.hit_tokens_by_tier.l1", f"runs.{i}.summary.prompt_tokens")
+            assert pair in {(n, d) for n, d, _ in head.shares}
 
 
 def test_sweep_checks_every_point_before_running_any() -> None:

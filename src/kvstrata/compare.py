@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .report import format_value
-from .sweep import lookup
+from .report_html import format_value, lookup
 
 #: (label, path in the summary): the rows, in order.
 ROWS = (

@@ -8,8 +8,10 @@
 * ``bytes_moved.png`` — bytes copied device -> host and host -> device, cumulated;
 * ``ttft.png`` — the TTFT distribution of requests served partly from the cache against those
   computed whole;
-* ``report.html`` — a header with the configuration, versions and machine, every number of
-  ``summary.json`` (each cell carries its JSON path in ``data-key``), and the plots.
+* ``report.html`` — the answer first (:mod:`kvstrata.headline`: hit ratio by tier, what the
+  cache saved, TTFT p50/p90 and its parts), the plots, the configuration, versions and machine,
+  then every number of ``summary.json`` (each cell carries its JSON path in ``data-key``); the
+  layout is :mod:`kvstrata.report_html`'s.
 
 Plots are drawn with matplotlib (the ``report`` extra), off screen. :mod:`kvstrata.sweep` reuses
 the page layout for a sweep over cache sizes.
@@ -17,12 +19,9 @@ the page layout for a sweep over cache sizes.
 
 from __future__ import annotations
 
-import html
 import json
 import os
-import platform
-from collections.abc import Callable, Iterable, Iterator
-from importlib import metadata
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import ConfigError
+from .headline import replay_headline
+from .report_html import figure, flatten, page, table
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -43,38 +44,6 @@ REPORT_FILES = ("summary.json", *PLOTS, "report.html")
 #: Summary fields the header shows instead of the numbers table.
 _HEADER_FIELDS = ("config", "versions", "errors")
 _WINDOWS = 100  # windows the hit-ratio plot averages over
-
-PAGE = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>{title}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; color: #222; }}
-h1 {{ font-size: 1.5em; }} h2 {{ font-size: 1.15em; margin-top: 2em; }}
-table {{ border-collapse: collapse; margin: 0.5em 0; }}
-td, th {{ border-bottom: 1px solid #ddd; padding: 0.2em 0.8em; text-align: left; }}
-td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
-.grid {{ display: grid; grid-template-columns: repeat(auto-fit, minmax(22em, 1fr)); gap: 0 2em; }}
-figure {{ margin: 1em 0; }} img {{ max-width: 100%; border: 1px solid #eee; }}
-figcaption {{ color: #555; font-size: 0.9em; }}
-</style>
-</head>
-<body>
-<h1>{title}</h1>
-<p>{lead}</p>
-<div class="grid">
-<div><h2>Configuration</h2>{config}</div>
-<div><h2>Versions</h2>{versions}<h2>Machine</h2>{machine}</div>
-</div>
-<div class="grid">
-{figures}
-</div>
-<h2>Numbers</h2>
-{numbers}
-</body>
-</html>
-"""
 
 
 def require_matplotlib() -> None:
@@ -93,102 +62,6 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def machine_info() -> dict[str, str]:
-    """The machine a result was measured on."""
-    info = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu cores": str(os.cpu_count()),
-    }
-    try:
-        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        info["memory"] = f"{pages * page_size / 2**30:.1f} GiB"
-    except (ValueError, OSError, AttributeError):
-        info["memory"] = "unknown"
-    import torch
-
-    if torch.cuda.is_available():
-        info["gpu"] = ", ".join(
-            torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
-        )
-    return info
-
-
-def package_versions() -> dict[str, str]:
-    """Versions of the optional packages that shaped a report."""
-    out = {}
-    for name in ("matplotlib", "prometheus_client"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
-def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Every scalar leaf of a JSON value, with its dotted path (list items by index)."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from flatten(item, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            yield from flatten(item, f"{prefix}.{i}")
-    else:
-        yield prefix, value
-
-
-def format_value(value: Any) -> str:
-    """How a JSON scalar reads in a table: ints with thousands separators, floats as JSON
-    writes them, None as a dash."""
-    if value is None:
-        return "—"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        return json.dumps(value)
-    return str(value)
-
-
-def table(rows: list[tuple[str, Any]], keyed: bool = False) -> str:
-    """An HTML table of (name, value) rows; with ``keyed``, each value cell names its path."""
-    out = ["<table>"]
-    for key, value in rows:
-        cls = (
-            ' class="num"'
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-            else ""
-        )
-        attr = f' data-key="{html.escape(key)}"' if keyed else ""
-        out.append(
-            f"<tr><th>{html.escape(key)}</th><td{cls}{attr}>{html.escape(format_value(value))}</td></tr>"
-        )
-    out.append("</table>")
-    return "\n".join(out)
-
-
-def figure(src: str, caption: str) -> str:
-    return (
-        f'<figure><img src="{html.escape(src)}" alt="{html.escape(caption)}">'
-        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
-    )
-
-
-def page(title: str, lead: str, data: dict[str, Any], figures: list[str], numbers: str) -> str:
-    """The whole HTML page: header tables from ``data``'s config and versions, then figures."""
-    versions = dict(data.get("versions", {})) | package_versions()
-    return PAGE.format(
-        title=html.escape(title),
-        lead=html.escape(lead),
-        config=table(list(data.get("config", {}).items())),
-        versions=table(list(versions.items())),
-        machine=table(list(machine_info().items())),
-        figures="\n".join(figures),
-        numbers=numbers,
-    )
 
 
 def prepare_report_dir(directory: str | Path, names: Iterable[str], flag: str = "--report") -> Path:
@@ -383,5 +256,8 @@ def write_report(directory: str | Path, data: dict[str, Any], timeline: Timeline
         f"{data.get('clock', {}).get('kind', 'wall')} clock."
     )
     path = out / "report.html"
-    write_text(path, page("kvstrata replay", lead, data, figures, table(numbers, keyed=True)))
+    headline = replay_headline(data)
+    write_text(
+        path, page("kvstrata replay", lead, data, headline, figures, table(numbers, keyed=True))
+    )
     return path

@@ -10,8 +10,9 @@ clock), each a fresh engine, and :func:`write_sweep_report` writes into a direct
 * ``hit_ratio.png`` — hit ratio against L1 size, one line per (L2 size, policies);
 * ``ttft.png`` — TTFT p50 and p99 against L1 size, same lines;
 * ``tiers.png`` — hit tokens by tier against L1 size;
-* ``report.html`` — header (configuration, versions, machine), the plots, and a table of every
-  run (cells carry ``data-key`` = ``runs.I.FIELD``, as in ``sweep.json``).
+* ``report.html`` — the knee of each curve first (:mod:`kvstrata.headline`: its size, hit ratio
+  by tier, savings, TTFT and its parts), the plots, the configuration, versions and machine, and a
+  table of every run (cells carry ``data-key`` = ``runs.I.summary.FIELD``, as in ``sweep.json``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError
+from .headline import sweep_headline
 from .replay import ReplayConfig, run_replay
-from .report import figure, format_value, page, prepare_report_dir, pyplot, save, write_text
+from .report import prepare_report_dir, pyplot, save, write_text
+from .report_html import figure, format_value, lookup, page
 
 #: Columns of the runs table: (label, path in a run's summary).
 #: Every file :func:`write_sweep_report` writes.
@@ -127,13 +130,6 @@ def mark_knees(runs: list[dict[str, Any]]) -> None:
             r["knee"] = r is knee
 
 
-def lookup(data: dict[str, Any], path: str) -> Any:
-    value: Any = data
-    for key in path.split("."):
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
-
-
 def _curves(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Runs grouped by everything but the L1 size, each group in L1 order."""
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -227,8 +223,12 @@ def write_sweep_report(directory: str | Path, runs: list[dict[str, Any]]) -> Pat
         f"{len(runs)} runs of {config.get('workload', '?')} ({first['requests']:,} requests each), "
         f"arrivals {first.get('arrivals', '?')}, {first.get('clock', {}).get('kind', 'wall')} clock."
     )
+    index = {id(run): i for i, run in enumerate(runs)}
+    curves = {label: [index[id(r)] for r in group] for label, group in _curves(runs).items()}
+    headline = sweep_headline(curves, runs)
     path = out / "report.html"
-    write_text(path, page("kvstrata sweep", lead, first | {"config": config}, figures, numbers))
+    data = first | {"config": config}
+    write_text(path, page("kvstrata sweep", lead, data, headline, figures, numbers))
     return path
 
 

@@ -272,7 +272,7 @@ def _make_dir(path: str, names: tuple[str, ...]) -> None:
 
 
 def _cell(value: object) -> str:
-    from ..report import format_value
+    from ..report_html import format_value
 
     return format_value(value)
 
