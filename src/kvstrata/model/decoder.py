@@ -49,6 +49,28 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class PreNormLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections; a model's layer sets the four
+    parts (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``)."""
+
+    input_layernorm: nn.Module
+    self_attn: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DevicePool,
+        attention: PagedAttention,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 

@@ -8,16 +8,14 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..tiers.pool import DevicePool
 from .attention import ExchangeBytes, PagedAttention
-from .batch import ForwardBatch
-from .decoder import MLP, Decoder, RMSNorm
+from .decoder import MLP, Decoder, PreNormLayer, RMSNorm
 from .deepseek_config import DeepseekConfig
 from .mla import MLA_FORMS, MLAttention, mla_inv_freq
 from .moe import MoE
 
 
-class DeepseekLayer(nn.Module):
+class DeepseekLayer(PreNormLayer):
     """Pre-norm MLA and MLP (dense or MoE) blocks with residual connections."""
 
     def __init__(self, config: DeepseekConfig, layer: int) -> None:
@@ -30,18 +28,6 @@ class DeepseekLayer(nn.Module):
             self.mlp = MoE(config.moe, config.hidden_size)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        pool: DevicePool,
-        attention: PagedAttention,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekModel(Decoder):

@@ -23,7 +23,7 @@ from ..tiers.pool import DevicePool
 from .attention import ExchangeBytes, PagedAttention
 from .batch import ForwardBatch
 from .config import ModelConfig
-from .decoder import MLP, Decoder, PagedLayerAttention, RMSNorm, apply_rope
+from .decoder import MLP, Decoder, PagedLayerAttention, PreNormLayer, RMSNorm, apply_rope
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -102,7 +102,7 @@ class Attention(PagedLayerAttention):
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     """Pre-norm attention and MLP blocks with residual connections."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
@@ -111,18 +111,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        pool: DevicePool,
-        attention: PagedAttention,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(Decoder):
