@@ -65,6 +65,13 @@ def test_sweep_runs_every_point_and_lru_hits_more_with_more_cache(sweep_dir: Pat
         knees = [r for r in curve if r["knee"]]
         assert len(knees) == 1 and knees[0]["summary"]["hit_ratio"] >= 0.98 * best
         assert all(r["summary"]["hit_ratio"] < 0.98 * best for r in curve[: curve.index(knees[0])])
+    # The ideal (a cache that never evicts) bounds every run, and the largest LRU size, which
+    # holds this whole workload, reaches it.
+    ideal = runs[0]["ideal_hit_ratio"]
+    assert all(r["ideal_hit_ratio"] == ideal for r in runs) and 0 < ideal <= 1
+    assert all(r["summary"]["hit_ratio"] <= ideal + 1e-9 for r in runs)
+    assert lru[-1] == pytest.approx(ideal, abs=1e-6) and lru[0] < ideal
+    assert all(r["of_ideal"] == round(r["summary"]["hit_ratio"] / ideal, 6) for r in runs)
 
 
 def test_sweep_page_numbers_are_sweep_json(sweep_dir: Path) -> None:
@@ -143,3 +150,12 @@ def test_compare_refuses_what_is_not_a_summary(
     assert "holds no replay summary" in capsys.readouterr().err
     assert main(["compare", str(tmp_path / "missing.json"), str(tmp_path / "x.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_the_l1_axis_is_in_gib_when_every_run_plans_a_model() -> None:
+    from kvstrata.sweep import _l1_axis
+
+    planned = [{"summary": {"planner": {"tier_gib": {"l1": 1.0}}}} for _ in range(2)]
+    assert _l1_axis(planned) == ("planner.tier_gib.l1", "L1 size, GiB of KV")
+    mixed = [*planned, {"summary": {"planner": None}}]
+    assert _l1_axis(mixed) == ("config.l1_tokens", "L1 size, tokens")

@@ -5,9 +5,11 @@ The capacity planner's first question is how the hit ratio and TTFT move with th
 size, L2 size, eviction policy and write policy; ``--model none`` by default, on the simulated
 clock), each a fresh engine, and :func:`write_sweep_report` writes into a directory:
 
-* ``sweep.json`` — ``{"runs": [{"point": ..., "summary": ...}, ...]}``: each run's grid point
-  and ``--json`` summary;
-* ``hit_ratio.png`` — hit ratio against L1 size, one line per (L2 size, policies);
+* ``sweep.json`` — ``{"runs": [{"point": ..., "summary": ..., "knee": ..., "ideal_hit_ratio":
+  ..., "of_ideal": ...}, ...]}``: each run's grid point, ``--json`` summary, whether it is its
+  curve's knee, the workload's ideal hit ratio and the run's share of it;
+* ``hit_ratio.png`` — hit ratio against L1 size, one line per (L2 size, policies), and the
+  workload's ideal hit ratio (a cache that never evicts, :func:`ideal_hit_ratio`) as a line;
 * ``ttft.png`` — TTFT p50 and p99 against L1 size, same lines;
 * ``tiers.png`` — hit tokens by tier against L1 size;
 * ``report.html`` — the knee of each curve first (:mod:`kvstrata.headline`: its size, hit ratio
@@ -28,8 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from .engine import EngineConfig
 from .errors import ConfigError
 from .headline import sweep_headline
+from .model.loader import read_model_config
 from .replay import ReplayConfig, run_replay
 from .report import prepare_report_dir, pyplot, save, write_text
 from .report_html import figure, format_value, lookup, page
@@ -106,7 +110,7 @@ def configs(base: ReplayConfig, grid: SweepGrid) -> list[ReplayConfig]:
 
 def run_sweep(base: ReplayConfig, grid: SweepGrid, progress: bool = True) -> list[dict[str, Any]]:
     """Replay ``base`` at every grid point; each run's point and JSON summary, in grid order."""
-    runs = []
+    runs: list[dict[str, Any]] = []
     cfgs = configs(base, grid)
     for i, (point, cfg) in enumerate(zip(grid.points(), cfgs, strict=True)):
         if progress:
@@ -117,7 +121,42 @@ def run_sweep(base: ReplayConfig, grid: SweepGrid, progress: bool = True) -> lis
         if summary.interrupted:
             break
     mark_knees(runs)
+    if runs and not runs[-1]["summary"]["interrupted"]:
+        ideal = ideal_hit_ratio(base, runs[0]["summary"]["prompt_tokens"])
+        for run in runs:
+            run["ideal_hit_ratio"] = ideal
+            run["of_ideal"] = round(run["summary"]["hit_ratio"] / ideal, 6) if ideal else None
     return runs
+
+
+def ideal_hit_ratio(base: ReplayConfig, prompt_tokens: int) -> float:
+    """The workload's hit ratio with a cache that never evicts: ``--model none`` (the cache's
+    decisions do not depend on the model) with an L1 as large as every prompt token of the
+    workload (``prompt_tokens``, from a run of it), no L2, the same pages, chunks, batches and
+    arrivals. What no size of the sweep can beat."""
+    e = base.engine
+    pages = -(-prompt_tokens // e.page_size) + -(-e.max_batch_tokens // e.page_size) + 1
+    vocab = base.vocab_size if base.model == "none" else read_model_config(base.model).vocab_size
+    cfg = ReplayConfig(
+        workload=base.workload,
+        limit=base.limit,
+        model="none",
+        kv_width=4,
+        vocab_size=vocab,
+        engine=EngineConfig(
+            page_size=e.page_size,
+            pool_tokens=pages * e.page_size,
+            chunk_size=e.chunk_size,
+            max_batch_tokens=e.max_batch_tokens,
+            max_batch_requests=e.max_batch_requests,
+        ),
+        on_error=base.on_error,
+        seed=base.seed,
+        threads=base.threads,
+        arrivals=base.arrivals,
+        clock="sim",
+    )
+    return round(run_replay(cfg, progress=False).hit_ratio, 6)
 
 
 def mark_knees(runs: list[dict[str, Any]]) -> None:
@@ -144,11 +183,19 @@ def _curves(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return groups
 
 
+def _l1_axis(runs: list[dict[str, Any]]) -> tuple[str, str]:
+    """The x axis: GiB of the modeled KV when every run has a planner block, else tokens."""
+    if all((r["summary"].get("planner") or {}).get("tier_gib") for r in runs):
+        return "planner.tier_gib.l1", "L1 size, GiB of KV"
+    return "config.l1_tokens", "L1 size, tokens"
+
+
 def _plot(runs: list[dict[str, Any]], path: Path, what: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.8))
+    x_key, x_label = _l1_axis(runs)
     for label, group in _curves(runs).items():
-        x = [r["point"]["l1_tokens"] for r in group]
+        x = [lookup(r["summary"], x_key) for r in group]
         s = [r["summary"] for r in group]
         if what == "hit_ratio":
             ax.plot(x, [d["hit_ratio"] for d in s], marker="o", label=label)
@@ -170,8 +217,13 @@ def _plot(runs: list[dict[str, Any]], path: Path, what: str) -> None:
             (line,) = ax.plot(x, l1, marker="o", label=f"{label}: L1")
             if l2.any():
                 ax.plot(x, l2, marker="s", ls="--", color=line.get_color(), label=f"{label}: L2")
+    ideal = runs[0].get("ideal_hit_ratio")
+    if what == "hit_ratio" and ideal is not None:
+        ax.axhline(
+            ideal, color="0.4", ls=":", label=f"ideal (a cache that never evicts): {ideal:.3f}"
+        )
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("L1 size, tokens")
+    ax.set_xlabel(x_label)
     if what == "hit_ratio":
         ax.set_ylabel("hit ratio")
         ax.set_ylim(bottom=0)
@@ -201,7 +253,11 @@ def write_sweep_report(directory: str | Path, runs: list[dict[str, Any]]) -> Pat
         if k not in ("l1_tokens", "l2_tokens", "eviction", "write_policy")
     }
     figures = [
-        figure("hit_ratio.png", "Hit ratio of the whole workload at each L1 size."),
+        figure(
+            "hit_ratio.png",
+            "Hit ratio of the whole workload at each L1 size; dotted: the workload's ideal "
+            "(a cache that never evicts).",
+        ),
         figure("ttft.png", "TTFT p50 (solid) and p99 (dashed) from arrival at each L1 size."),
         figure("tiers.png", "Prompt tokens served by each tier at each L1 size."),
     ]
