@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from disk_rig import (
 from kvstrata.config import KVLayout, PayloadSpec
 from kvstrata.errors import ConfigError, DiskFormatError, DiskStoreError
 from kvstrata.tiers import disk_store as disk_store_module
-from kvstrata.tiers.disk_format import probe_direct_io
+from kvstrata.tiers.disk_format import SlabFile, probe_direct_io
 from kvstrata.tiers.disk_store import DiskConfig, DiskStore
 from kvstrata.tiers.host_pool import HOST_LAYOUTS, HostLayout
 from kvstrata.tiers.page_hash import Namespace
@@ -322,10 +323,10 @@ def test_a_bug_in_a_thread_is_raised_by_poll(
 ) -> None:
     from kvstrata.tiers import disk_spill
 
-    def broken(*args: object) -> list[torch.Tensor]:
+    def broken(*args: object) -> object:
         raise ValueError("gather bug")
 
-    monkeypatch.setattr(disk_spill, "host_page_bytes", broken)
+    monkeypatch.setattr(disk_spill, "host_pages", broken)
     store = open_store(tmp_path)
     pool = host_pool()
     assert store.spill(1, [(hashes(1)[0], 0, 1)], pool)
@@ -348,3 +349,48 @@ def test_close_is_idempotent_and_refuses_later_work(tmp_path: Path) -> None:
     assert store.read(pages, pool, [0, 1, 2]) == [False] * 3
     with open_store(tmp_path, start="load") as again:
         assert again.lookup(pages) == 3
+
+
+def _spill_without_waiting(store: DiskStore, slow_s: float) -> tuple[object, ...]:
+    """Twelve spills of six new pages each, never waiting for one to finish, with touches of
+    earlier pages and reads in between, into a store that collects garbage often; the disk
+    takes ``slow_s`` per fdatasync. Returns what the store decided: its pages in LRU order
+    with their slots, and what GC took."""
+    pool, dst = host_pool(slots=72), host_pool()
+    order: list[bytes] = []
+    for t in range(12):
+        pages = hashes(6, seed=500 + t)
+        for i, h in enumerate(pages):
+            write_page(pool, 6 * t + i, h)
+        assert store.spill(t, [(h, 6 * t + i, 1) for i, h in enumerate(pages)], pool)
+        order += pages
+        if t >= 3:
+            store.touch(order[6 * (t - 3) : 6 * (t - 3) + 2])  # a few older pages stay warm
+        if t % 4 == 3:
+            assert store.flush(30)
+            store.read(order[-3:], dst, [0, 1, 2])
+    assert store.flush(30)
+    stats = store.stats()
+    return tuple(store.pool.live()), stats.gc_reclaimed, stats.pages_written
+
+
+def test_what_gc_takes_and_where_pages_go_do_not_depend_on_the_disks_speed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches, GC's victims, slots and the LRU order are decided when a spill is submitted,
+    in call order: a disk that syncs 20 ms slower gives the same store (it used to batch what
+    arrived within 5 ms of the last write and apply touches whenever the writer got to them)."""
+    cfg = {"pages": 40, "high_watermark": 0.9, "low_watermark": 0.6}
+    with open_store(tmp_path / "fast", **cfg) as store:
+        fast = _spill_without_waiting(store, 0.0)
+    real_sync = SlabFile.sync
+
+    def slow_sync(self: SlabFile) -> None:
+        time.sleep(0.02)
+        real_sync(self)
+
+    monkeypatch.setattr(SlabFile, "sync", slow_sync)
+    with open_store(tmp_path / "slow", **cfg) as store:
+        slow = _spill_without_waiting(store, 0.02)
+    assert fast[1] > 0  # GC ran
+    assert slow == fast
