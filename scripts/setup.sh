@@ -11,7 +11,10 @@
 # that would replace the torch chosen here, plus the small pure-Python packages its storage and
 # host-pool modules import (KVSTRATA_SKIP_SGLANG=1 leaves SGLang out; those tests then skip).
 # Where apt is available (and we are root), Debian's chromium too, for the test that renders
-# `replay --report`'s page (tests/test_report.py skips it, with the reason, where there is no browser).
+# `replay --report`'s page (tests/test_report.py skips it, with the reason, where there is no browser),
+# and Debian's redis-server and redis-tools (redis-cli, redis-benchmark) for the shared tier's tests,
+# which start their own servers on free loopback ports (tests/redis_rig.py; they skip where there is
+# none), and for `kvstrata bench remote`.
 #
 # Environment: KVSTRATA_TORCH_INDEX=URL   the PyTorch index for the CUDA build (default: by driver)
 #              KVSTRATA_SETUP_DRY_RUN=1   print the pip commands instead of running them
@@ -88,5 +91,13 @@ if [ "${KVSTRATA_SETUP_DRY_RUN:-0}" != 1 ] && ! command -v chromium >/dev/null 2
       >/tmp/kvstrata-apt-chromium.log 2>&1; then
     echo "setup: apt-get install chromium failed (see /tmp/kvstrata-apt-chromium.log);" \
       "the browser test will skip" >&2
+  fi
+fi
+if [ "${KVSTRATA_SETUP_DRY_RUN:-0}" != 1 ] && ! command -v redis-server >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server \
+      redis-tools; } >/tmp/kvstrata-apt-redis.log 2>&1; then
+    echo "setup: apt-get install redis-server failed (see /tmp/kvstrata-apt-redis.log);" \
+      "the shared-tier tests will skip" >&2
   fi
 fi

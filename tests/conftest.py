@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from redis_rig import RedisCluster, RedisServer, RedisUnavailable
 
 from kvstrata.check_model import _write_preset_checkpoint
 from kvstrata.model.config import PRESETS
@@ -43,3 +45,29 @@ def nan_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
     tensors[POISONED_WEIGHT][0, 0] = torch.nan
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh ``redis-server`` on a free loopback port (skips the test where none starts)."""
+    try:
+        server = RedisServer(tmp_path / "redis")
+    except RedisUnavailable as why:
+        pytest.skip(str(why))
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A 3-node Redis Cluster (no replicas), shared by the session's tests: flush it first."""
+    try:
+        cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    except RedisUnavailable as why:
+        pytest.skip(str(why))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

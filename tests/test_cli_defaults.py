@@ -23,6 +23,7 @@ from kvstrata.cli.replay import SWEEP_MODEL
 from kvstrata.engine import EngineConfig
 from kvstrata.replay import ReplayConfig
 from kvstrata.tiers.disk_audit import audit_directory
+from kvstrata.tiers.disk_gc import collect
 
 
 def field_default(f: Field[Any]) -> Any:
@@ -50,6 +51,7 @@ ARRIVALS = dataclass_defaults(ArrivalSpec)
 #: What a replay flag fills: (the defaults of the dataclass, the field) where the names differ.
 RENAMED = {
     "l1_tokens": (ENGINE, "pool_tokens"),
+    "remote": (ENGINE, "remote_url"),
     "check": (ENGINE, "check_every_step"),
     "cp_timeout": (REPLAY, "cp_timeout_s"),
     "arrivals": (ARRIVALS, "kind"),
@@ -66,6 +68,7 @@ NOT_CONFIG = {
     "bench": {"name", "rest"},
     "disk": {"disk_command"},
     "disk check": {"dir", "json", "quick"},
+    "disk gc": {"dir"},
 }
 #: A command's own default where it differs from the field on purpose.
 OWN_DEFAULTS = {
@@ -85,6 +88,9 @@ def field_of(command: str, dest: str) -> tuple[dict[str, Any], str] | None:
                 return defaults, dest
     if command == "check-model":
         defaults = keyword_defaults(check_model)
+        return (defaults, dest) if dest in defaults else None
+    if command == "disk gc":
+        defaults = keyword_defaults(collect)
         return (defaults, dest) if dest in defaults else None
     if command == "disk check":
         defaults = keyword_defaults(audit_directory)
@@ -118,7 +124,9 @@ def cli_default(action: argparse.Action) -> Any:
 
 def test_the_walk_reaches_every_subcommand() -> None:
     names = {name for name, _ in commands(build_parser())}
-    assert names == {"replay", "sweep", "compare", "check-model", "bench", "disk", "disk check"}
+    assert names == {
+        "replay", "sweep", "compare", "check-model", "bench", "disk", "disk check", "disk gc"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("command", sorted(NOT_CONFIG))

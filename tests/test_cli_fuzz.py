@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import io
 import json
+import shutil
 import tempfile
 from unittest import mock
 
@@ -153,6 +154,36 @@ BASE = {
         "--io-mode",
         "buffered",
         "--staging-mib",
+        "1",
+    ],
+    "bench tiers": [
+        "bench",
+        "tiers",
+        "--device",
+        "cpu",
+        "--prefix",
+        "32",
+        "--suffix",
+        "8",
+        "--repeats",
+        "1",
+        "--dir",
+        OUT,
+    ],
+    "bench remote": [
+        "bench",
+        "remote",
+        "--gib",
+        "0.0001",
+        "--layers",
+        "1",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--page-size",
+        "4",
+        "--repeat",
         "1",
     ],
     "disk": ["disk", "check"],  # its value: the directory (test_disk_check_positional)
@@ -337,11 +368,31 @@ def test_bench_sglang_backend_flags() -> None:
     fuzz("bench sglang-backend", 20)  # a valid value runs dd and SGLang's host pool
 
 
+@pytest.mark.slow
+def test_bench_tiers_flags() -> None:
+    fuzz("bench tiers", 12)  # a valid value runs the tiny model through every tier and dd
+
+
+@pytest.mark.slow
+def test_bench_remote_flags() -> None:
+    if shutil.which("redis-server") is None or shutil.which("redis-benchmark") is None:
+        pytest.skip("redis-server / redis-benchmark are not installed (scripts/setup.sh)")
+    fuzz("bench remote", 15)  # a valid value starts a redis-server and runs redis-benchmark
+
+
 @given(value=BAD_VALUES)
 @settings(max_examples=30, derandomize=True, deadline=None)
 def test_disk_check_positional(value: str) -> None:
     assert FLAGS["disk"] == []  # `disk` has actions, not flags; `disk check` only switches
     code, _, err = run(["disk", "check", value])
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("kvstrata disk: error: "), err
+
+
+@given(value=BAD_VALUES)
+@settings(max_examples=30, derandomize=True, deadline=None)
+def test_disk_gc_positional(value: str) -> None:
+    code, _, err = run(["disk", "gc", value, "--keep", value])
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("kvstrata disk: error: "), err
 

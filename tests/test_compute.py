@@ -55,6 +55,7 @@ def test_chunk_size_must_be_positive() -> None:
 
 _PEAK_SCRIPT = """
 import json, resource, torch
+torch.set_num_threads(1)
 from kvstrata.model.compute import synthetic_payload
 n, width = 2_000_000, 64
 tokens = torch.randint(0, 128_256, (n,), dtype=torch.int64)
@@ -75,7 +76,9 @@ def test_payload_memory_does_not_grow_with_the_sequence() -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": src},
+        # One thread: two OpenMP threads on two busy cores spin at their barriers (a CI run
+        # of this once passed its 300 s, where it takes 5 s).
+        env={**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"},
         check=True,
     )
     report = json.loads(out.stdout)

@@ -230,3 +230,26 @@ def test_disk_gc_removes_idle_namespaces_and_the_no_space_refusal_names_them(
     assert main(["disk", "gc", str(root), "--keep", NS.short[:6]]) == 0
     assert list((root / "slabs").glob(f"{NS.short}-*.slab"))
     assert main(["disk", "check", str(root)]) == 0
+
+
+def test_a_root_a_peer_creates_meanwhile_is_adopted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks of a CP group prepare one new root at once: when a peer makes it between this
+    rank's first look and its second, it is a directory like any other (this was "is not a
+    directory" on rank 1, now and then)."""
+    from kvstrata.tiers import disk_dir
+
+    root = tmp_path / "l3"
+    real_lexists = os.path.lexists
+    peer = [True]
+
+    def peer_made_it(path: object) -> bool:
+        if Path(str(path)) == root and peer:
+            peer.clear()
+            disk_dir.prepare_root(root)  # the peer, done first
+        return real_lexists(str(path))
+
+    monkeypatch.setattr(disk_dir.os.path, "lexists", peer_made_it)
+    disk_dir.prepare_root(root)
+    assert (root / MARKER).is_file() and (root / "slabs").is_dir()

@@ -90,3 +90,31 @@ def test_readme_sglang_flags_are_sglangs() -> None:
     )
     for flag in SGLANG_FLAGS:
         assert re.search(rf"\b{flag[2:].replace('-', '_')}\b", fields), flag
+
+
+def _architecture_rows() -> list[str]:
+    """The module column of docs/architecture.md's table: each cell's backticked names."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    names: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            names += re.findall(r"`([\w/.]+)`", line.split("|")[1])
+    return names
+
+
+def test_architecture_names_every_module_and_only_real_ones() -> None:
+    """The module table names files that exist, and every module outside the packages it names
+    whole (benchmarks/, workloads/, integrations/sglang/, model/ rows aside) has a row."""
+    src = ROOT / "src" / "kvstrata"
+    rows = _architecture_rows()
+    assert rows
+    missing = [name for name in rows if not (src / name).exists()]
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+    whole = tuple(name for name in rows if name.endswith("/"))
+    modules = [
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
+    ]
+    unnamed = [m for m in modules if m not in rows and not m.startswith(whole)]
+    assert not unnamed, f"docs/architecture.md has no row for {sorted(unnamed)}"

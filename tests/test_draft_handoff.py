@@ -273,13 +273,19 @@ def test_replay_reports_draft_logits_and_equal_acceptance() -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_replay_with_cp2_decodes_from_every_ranks_part() -> None:
+def test_replay_with_cp2_decodes_from_every_ranks_part(tmp_path: Path) -> None:
+    """Through --handoff-dir, beside files of the user's that look like parts: they stay."""
     from kvstrata.replay import run_replay
 
-    summary = run_replay(_replay_cfg(cp=2), progress=False)
+    users = ["lora.rank16.safetensors", "model.ranker.safetensors", "x.rank1.tmp"]
+    for name in users:
+        (tmp_path / name).write_bytes(b"user data")
+    summary = run_replay(_replay_cfg(cp=2, handoff_dir=str(tmp_path)), progress=False)
     decode = summary.verify.decode
     assert decode is not None and decode.tokens_equal == decode.requests == 6
     assert decode.acceptance_cached == decode.acceptance_uncached
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(users)
+    assert all((tmp_path / name).read_bytes() == b"user data" for name in users)
 
 
 @pytest.mark.parametrize(
@@ -371,22 +377,6 @@ def test_handoff_dir_where_it_is_unused_is_refused(fields: dict[str, Any], messa
 
     with pytest.raises(ConfigError, match=message):
         run_replay(_replay_cfg(**fields), progress=False)
-
-
-@pytest.mark.multiproc
-@pytest.mark.slow
-def test_replay_with_cp2_and_a_handoff_dir_leaves_the_users_files(tmp_path: Path) -> None:
-    from kvstrata.replay import run_replay
-
-    users = ["lora.rank16.safetensors", "model.ranker.safetensors", "x.rank1.tmp"]
-    for name in users:
-        (tmp_path / name).write_bytes(b"user data")
-    cfg = _replay_cfg(cp=2, draft_model=None, verify=2, decode_tokens=2, handoff_dir=str(tmp_path))
-    summary = run_replay(cfg, progress=False)
-    decode = summary.verify.decode
-    assert decode is not None and decode.tokens_equal == decode.requests == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(users)
-    assert all((tmp_path / name).read_bytes() == b"user data" for name in users)
 
 
 def test_draft_payloads_take_only_the_drafts_layers() -> None:

@@ -46,6 +46,7 @@ TOP = {
     "tiers.d2h_pages", "tiers.d2h_bytes", "tiers.h2d_pages", "tiers.h2d_bytes",
     "tiers.backups_done", "tiers.backups_skipped", "tiers.backups_failed", "tiers.loads",
     "tiers.loads_failed", "tiers.load_back_wait_ms", "tiers.l3_hit_tokens", "tiers.l3",
+    "tiers.remote",  # new with --remote
     "verify", "verify.ok", "verify.requests", "verify.max_abs_logit_diff", "verify.argmax_agree",
     "verify.payload_mismatched_bytes", "verify.nonfinite_logits",
     "verify.draft_max_abs_logit_diff", "verify.draft_argmax_agree", "verify.decode",
@@ -65,6 +66,7 @@ CONFIG_ADDED = {
     "on_error", "metrics_port", "metrics_host", "cp_timeout_s", "check_every_step",
     "max_host_alloc_gib", "check_digests",
     "verify_atol",  # new with --verify-atol
+    "remote", "remote_gib", "remote_timeout_ms", "remote_min_hits",  # new with --remote
 }  # fmt: skip
 L3 = {
     "pages_present", "pages_written", "bytes_written", "pages_read", "bytes_read",
@@ -116,6 +118,7 @@ def test_cache_only_summary_keys_and_config(tmp_path: Path) -> None:
         "on_error": "stop", "metrics_port": None, "metrics_host": None, "cp_timeout_s": None,
         "check_every_step": False, "max_host_alloc_gib": 480.0, "check_digests": None,
         "verify_atol": None,
+        "remote": None, "remote_gib": None, "remote_timeout_ms": None, "remote_min_hits": None,
     }  # fmt: skip
 
 
@@ -137,4 +140,5 @@ def test_model_summary_keys_and_config() -> None:
         "on_error": "stop", "metrics_port": None, "metrics_host": None, "cp_timeout_s": None,
         "check_every_step": False, "max_host_alloc_gib": 480.0, "check_digests": None,
         "verify_atol": None,
+        "remote": None, "remote_gib": None, "remote_timeout_ms": None, "remote_min_hits": None,
     }  # fmt: skip

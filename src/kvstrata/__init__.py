@@ -32,9 +32,9 @@ _LAZY = {
     "KVLayout": "config",
     "PayloadSpec": "config",
     "RadixTree": "cache.radix",
-    "MatchResult": "cache.radix",
-    "InsertResult": "cache.radix",
-    "TreeStats": "cache.radix",
+    "MatchResult": "cache.node",
+    "InsertResult": "cache.node",
+    "TreeStats": "cache.node",
     "TokenKey": "cache.keys",
     "PageAllocator": "cache.allocator",
     "Residency": "residency",
@@ -183,7 +183,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from .cache.allocator import PageAllocator
     from .cache.keys import TokenKey
-    from .cache.radix import InsertResult, MatchResult, RadixTree, TreeStats
+    from .cache.node import InsertResult, MatchResult, TreeStats
+    from .cache.radix import RadixTree
     from .config import CacheConfig, KVLayout, PayloadSpec, PoolConfig
     from .dist.group import Group, SoloGroup
     from .engine import Engine, EngineConfig, Finished

@@ -36,6 +36,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import ConfigError
+from .tiers.disk_config import DiskStats
 from .tiers.tickets import TicketKind
 
 if TYPE_CHECKING:
@@ -164,16 +165,25 @@ class CacheMetrics:
         if disk is None:
             return []
         store = disk.store.stats()
-        used.add_metric(["l3", "0"], store.used_slots)
-        total.add_metric(["l3", "0"], store.num_slots)
+        tier = "disk"
+        if isinstance(store, DiskStats):
+            used.add_metric(["l3", "0"], store.used_slots)
+            total.add_metric(["l3", "0"], store.num_slots)
+        else:  # the shared store in the disk's place: its pages of this rank's budget
+            tier = "remote"
+            used.add_metric(["remote", "0"], store.used_bytes // store.page_bytes)
+            total.add_metric(["remote", "0"], store.budget_bytes // store.page_bytes)
         engine = counter(
-            f"{NAMESPACE}_disk", "What the engine did with the disk tier.", labels=["event"]
+            f"{NAMESPACE}_{tier}", f"What the engine did with the {tier} tier.", labels=["event"]
         )
         for name, value in asdict(disk.stats).items():
             engine.add_metric([name], value)
         own = counter(
-            f"{NAMESPACE}_disk_store",
-            "The disk store's counters: I/O, verification failures, GC.",
+            f"{NAMESPACE}_{tier}_store",
+            "The disk store's counters: I/O, verification failures, GC."
+            if tier == "disk"
+            else "The shared store's counters: hits, misses, verification failures, timeouts, "
+            "breaker opens, writes skipped.",
             labels=["counter"],
         )
         for name, value in sorted(store.counters.items()):

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from .tiers.disk_store import DiskStore
+
 if TYPE_CHECKING:
     from .replay import ReplayRun
 
@@ -57,7 +59,9 @@ class Timeline:
         engine = run.engine
         self.l1_pages = engine.cache.allocator.num_pages
         self.l2_pages = engine.cache.host_allocator.num_pages if engine.cache.host_allocator else 0
-        self.l3_pages = engine.cache.disk.store.num_slots if engine.cache.disk is not None else 0
+        store = engine.cache.disk.store if engine.cache.disk is not None else None
+        self._disk = store if isinstance(store, DiskStore) else None  # the shared tier has none
+        self.l3_pages = self._disk.num_slots if self._disk is not None else 0
         self.clock_kind = run.clock.kind
         self._record(run)
 
@@ -88,7 +92,7 @@ class Timeline:
             tally.l3_cached_tokens,
             engine.cache.allocator.num_used,
             host.num_used if host is not None else 0,
-            engine.cache.disk.store.pool.num_used if engine.cache.disk is not None else 0,
+            self._disk.pool.num_used if self._disk is not None else 0,
             stats.d2h_bytes if stats else 0,
             stats.h2d_bytes if stats else 0,
         )

@@ -38,6 +38,8 @@ from ..errors import ConfigError
 from ..replay import ReplayConfig, ReplayRun, run_replay
 
 PROG = "kvstrata bench replay"
+#: The most runs of each kind --repeats asks for
+MAX_REPEATS = 100
 DEFAULT_TRACE = "../shared/traces/mooncake/conversation_trace.jsonl"
 WARMUP_REQUESTS = 200  # replayed once, unmeasured, first (imports, allocator, weight tables)
 
@@ -174,8 +176,8 @@ def build_parser() -> CommandParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        raise ConfigError(f"--repeats must lie in [1, {MAX_REPEATS}], got {args.repeats}")
     if not 0 < args.scrape_interval <= 3600:
         raise ConfigError(
             f"--scrape-interval must lie in (0, 3600] seconds, got {args.scrape_interval}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -32,9 +33,9 @@ import torch
 from ..command import CommandParser, HelpFormatter, run_command
 from ..engine import Engine, EngineConfig, Finished
 from ..errors import ConfigError
-from ..limits import check_device
+from ..limits import check_device, check_fits
 from ..model.compute import ModelCompute
-from ..model.loader import load_model
+from ..model.loader import load_model, read_model_config
 from ..residency import Tier
 from ..tiers.disk_format import round_up
 from ..workloads import Request
@@ -42,6 +43,8 @@ from .disk import _dd
 
 PROG = "kvstrata bench tiers"
 PAGE = 16
+#: The most rounds --repeats asks for (each restarts an engine; a typo of 10^10 ran for ever)
+MAX_REPEATS = 1000
 GIB = 1 << 30
 
 
@@ -74,8 +77,14 @@ def _defaults(args: argparse.Namespace) -> None:
     for name in ("prefix", "suffix", "repeats"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be >= 1")
+    if args.repeats > MAX_REPEATS:  # each round restarts an engine and reads the prefix
+        raise ConfigError(f"--repeats must lie in [1, {MAX_REPEATS}], got {args.repeats}")
     if args.prefix % PAGE:
         raise ConfigError(f"--prefix must be a multiple of the page size {PAGE}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if not Path(args.dir).is_dir() or not os.access(args.dir, os.W_OK):
+        raise ConfigError(f"--dir {args.dir} is not a writable directory; give one on the disk")
 
 
 class _Tiered:
@@ -126,8 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _defaults(args)
     device = check_device(args.device)
+    config = read_model_config(args.model)
+    n = args.prefix + args.suffix
+    if n > config.max_position_embeddings:
+        raise ConfigError(
+            f"--prefix + --suffix ({n:,}) exceed {args.model}'s "
+            f"{config.max_position_embeddings:,} positions; give a shorter prefix"
+        )
     _, model = load_model(args.model, device=device, dtype=args.dtype, seed=args.seed)
     compute = ModelCompute(model, next(model.parameters()).dtype)
+    pool = 3 * compute.layout.page_bytes(PAGE) * -(-n // PAGE)  # each tier holds 3 requests
+    hint = "give a shorter --prefix"
+    check_fits([("L1 pool", pool)], device, hint)
+    check_fits([("L2 pool", pool)], torch.device("cpu"), hint)
     rng = np.random.default_rng(args.seed)
     vocab = compute.vocab_size
     prefix = rng.integers(0, vocab, args.prefix)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from ..config import CacheConfig
 
 if TYPE_CHECKING:
-    from .radix import Node
+    from .node import Node
 
 Priority = tuple[int, int, int]
 

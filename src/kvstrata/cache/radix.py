@@ -35,189 +35,38 @@ residency transitions from their own modules.
 
 from __future__ import annotations
 
-import hashlib
-import heapq
 import sys
-from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
 from ..config import CacheConfig
-from ..errors import ConfigError, TreeUsageError, UnknownPageError
+from ..errors import ConfigError, TreeUsageError
 from ..ownership import page_span
 from ..residency import Residency, Tier
 from .allocator import PageAllocator
-from .eviction import PROBATION, EvictionPolicy, Priority, make_policy
+from .eviction import EvictionPolicy, Priority, make_policy
 from .keys import PrefixHasher, TokenKey
+from .node import (
+    _ARRAY_HEADER,
+    _EMPTY_KEYS,
+    _EMPTY_PAGES,
+    _EMPTY_TOKENS,
+    _FOREIGN,
+    _NO_PAGE,
+    InsertResult,
+    IntArray,
+    MatchResult,
+    Node,
+    TreeStats,
+    _concat,
+    _path_to,
+)
+from .radix_tiers import TierState
 
-IntArray = npt.NDArray[np.int64]
-_EMPTY_PAGES: IntArray = np.empty(0, dtype=np.int64)
-_EMPTY_KEYS = np.empty(0, dtype=np.uint64)
-_EMPTY_TOKENS = np.empty(0, dtype=np.uint32)
-
-# Tuples, not sets: containment tests identity first, while Enum hashing is slow on hot paths.
-_ON_DEVICE = (Residency.DEVICE, Residency.DEVICE_HOST, Residency.DEVICE_HOST_PENDING)
-_ON_HOST = (Residency.DEVICE_HOST, Residency.HOST, Residency.DEVICE_HOST_PENDING)
-#: Residencies a tier may evict from (a pending backup is never evicted from either tier).
-_EVICTABLE = {
-    Tier.L1: (Residency.DEVICE, Residency.DEVICE_HOST),
-    Tier.L2: (Residency.DEVICE_HOST, Residency.HOST),
-}
-_NO_PAGE = -1  # a position the tree covers without a device page (host-only)
-_FOREIGN = -2  # a position the tree covers with other tokens under an equal key (a collision)
-
-
-class Node:
-    """One edge of the tree: tokens ``[start, end)`` of a path, and the pages that hold them."""
-
-    __slots__ = (
-        "id",
-        "parent",
-        "children",
-        "first_key",
-        "end_key",
-        "start",
-        "end",
-        "span",
-        "tokens",
-        "keys",
-        "num_full",
-        "full_key",
-        "pages",
-        "host_pages",
-        "residency",
-        "ticket",
-        "lock_ref",
-        "host_ref",
-        "device_children",
-        "host_children",
-        "last_access",
-        "hit_count",
-        "segment",
-        "dead",
-    )
-
-    def __init__(
-        self,
-        node_id: int,
-        parent: Node | None,
-        first_key: int,
-        end_key: int,
-        start: int,
-        tokens: npt.NDArray[np.uint32],
-        keys: npt.NDArray[np.uint64],
-        span: int,
-        pages: IntArray,
-        last_access: int,
-    ) -> None:
-        self.id = node_id
-        self.parent = parent
-        self.children: dict[int, Node] = {}
-        self.first_key = first_key  # key of this node in parent.children
-        self.end_key = end_key  # prefix key at self.end
-        self.start = start  # valid-token offset of the first token (page aligned)
-        self.end = start + tokens.size  # valid-token offset one past the last token
-        self.span = span  # pages covering [start, end), a valid tail included
-        self.tokens = tokens  # this node's own token ids (its own array)
-        self.keys = keys  # prefix keys at this node's full-page boundaries
-        self.num_full = keys.size  # full pages (a valid tail is not one)
-        self.full_key = keys.item(-1) if keys.size else -1  # key at the last full-page boundary
-        self.pages = pages  # device logical pages (one per page of the span) or none
-        self.host_pages = _EMPTY_PAGES  # host logical pages, once a backup is attached
-        self.residency = Residency.DEVICE
-        self.ticket = 0  # the backup ticket while DEVICE_HOST_PENDING
-        self.lock_ref = 0
-        self.host_ref = 0
-        self.device_children = 0  # children with a device copy
-        self.host_children = 0  # children with a host copy (committed or pending)
-        self.last_access = last_access
-        self.hit_count = 0
-        self.segment = PROBATION
-        self.dead = False
-
-    @property
-    def valid_len(self) -> int:
-        return self.end - self.start
-
-    @property
-    def on_device(self) -> bool:
-        return self.residency in _ON_DEVICE
-
-    @property
-    def on_host(self) -> bool:
-        """Whether host pages are attached (committed, or pending while a backup is in flight)."""
-        return self.residency in _ON_HOST
-
-    def tier_pages(self, tier: Tier) -> IntArray:
-        return self.pages if tier is Tier.L1 else self.host_pages
-
-    def __repr__(self) -> str:
-        return (
-            f"Node(id={self.id}, tokens=[{self.start}, {self.end}), {self.residency.value}, "
-            f"lock_ref={self.lock_ref}, host_ref={self.host_ref}, children={len(self.children)})"
-        )
+__all__ = ["InsertResult", "MatchResult", "Node", "RadixTree", "TreeStats"]
 
 
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    """What ``match_prefix`` found: a page-aligned prefix, its device part and its host-only part.
-
-    ``[0, device_len)`` is on the device in ``device_pages``; ``[device_len, valid_len)`` is only
-    on the host, in ``host_pages`` of ``host_nodes`` (root side first), and needs a load-back
-    before a forward reads it. ``device_node`` ends at ``device_len`` (the root when nothing is on
-    the device) and is what a request locks; ``last_node`` ends at ``valid_len``.
-    """
-
-    valid_len: int
-    device_len: int
-    device_pages: IntArray
-    host_pages: IntArray
-    device_node: Node
-    last_node: Node
-    host_nodes: tuple[Node, ...] = ()
-
-    def pages(self, tier: Tier) -> IntArray:
-        """The matched pages of one tier (the disk tier is not built yet)."""
-        if tier is Tier.L1:
-            return self.device_pages
-        return self.host_pages if tier is Tier.L2 else _EMPTY_PAGES
-
-
-@dataclass(frozen=True, slots=True)
-class InsertResult:
-    """What ``insert`` did.
-
-    prefix_len: valid tokens of the sequence that were already in the tree.
-    free_pages: the caller's pages the tree did not keep (duplicates of cached pages, including a
-        duplicate valid tail); the caller must free them.
-    node: the node now holding the sequence's last token (the root if nothing was kept).
-    pages: the device pages that hold the sequence from now on: the tree's where it had its own
-        page for a position, the caller's elsewhere (a caller still computing reads these).
-    """
-
-    prefix_len: int
-    free_pages: IntArray
-    node: Node
-    pages: IntArray
-
-
-@dataclass(frozen=True, slots=True)
-class TreeStats:
-    """Size of the tree's bookkeeping against what it caches."""
-
-    nodes: int
-    tokens: int
-    device_pages: int
-    host_pages: int
-    bytes: int  # node objects, their dicts and arrays (token ids, keys, pages)
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.bytes / self.tokens if self.tokens else 0.0
-
-
-class RadixTree:
+class RadixTree(TierState):
     """Page-granular radix tree over token ids with per-tier residency and leaf-up eviction.
 
     ``capacity_pages`` sizes the eviction policy (the SLRU protected cap). With an ``allocator``
@@ -578,62 +427,6 @@ class RadixTree:
             covered = np.concatenate([covered, np.full(kept - first - covered.size, _FOREIGN)])
         return covered
 
-    def _check_new_pages(self, tier: Tier, fresh: IntArray) -> None:
-        """Refuse pages that would corrupt the tree: out of range, listed twice, already held,
-        or (with an allocator) free."""
-        if fresh.size == 0:
-            return
-        allocator = self._allocators[tier]
-        if allocator is not None:
-            try:
-                free = allocator.is_free(fresh)  # range-checks the ids too
-            except UnknownPageError as err:
-                raise TreeUsageError(f"{tier.name} {err}") from None
-            if free.any():
-                bad = int(fresh[np.flatnonzero(free)[0]])
-                raise TreeUsageError(f"{tier.name} page {bad} was never allocated (it is free)")
-            held = self._held[tier]
-        else:
-            lo, hi = int(fresh.min()), int(fresh.max())
-            if lo < 0:
-                raise TreeUsageError(f"{tier.name} page {lo} is negative")
-            held = self._held_upto(tier, hi)
-        if held[fresh].any():
-            bad = int(fresh[np.flatnonzero(held[fresh])[0]])
-            raise TreeUsageError(
-                f"{tier.name} page {bad} is already held by the tree; pass the pages match_prefix "
-                "returned at their positions, and pages freshly allocated elsewhere"
-            )
-        if fresh.size > 1:
-            if self._order.size < fresh.size:
-                self._order = np.arange(2 * fresh.size, dtype=np.int64)
-            order = self._order[: fresh.size]
-            stamp = self._stamp[tier]  # each page writes its index; one listed twice keeps its last
-            stamp[fresh] = order
-            if not (stamp[fresh] == order).all():
-                raise TreeUsageError(
-                    f"{tier.name} pages listed twice in one call: {fresh.tolist()}"
-                )
-
-    def holds(self, pages: IntArray, tier: Tier = Tier.L1) -> npt.NDArray[np.bool_]:
-        """Which of ``pages`` the tree holds in ``tier`` (ids out of range: not held)."""
-        held = self._held[tier]
-        if pages.size and int(pages.min()) >= 0 and int(pages.max()) < held.size:
-            return held[pages]
-        out = np.zeros(pages.shape, dtype=np.bool_)
-        inside = (pages >= 0) & (pages < held.size)
-        out[inside] = held[pages[inside]]
-        return out
-
-    def _held_upto(self, tier: Tier, page: int) -> npt.NDArray[np.bool_]:
-        """The tier's held-page mask, grown (doubling) to cover page id ``page``."""
-        held = self._held[tier]
-        if page >= held.size:
-            size = max(page + 1, 2 * held.size)
-            self._held[tier] = held = np.concatenate([held, np.zeros(size - held.size, np.bool_)])
-            self._stamp[tier] = np.zeros(size, dtype=np.int64)
-        return held
-
     def _attach_along(self, path: list[Node], tail_owner: Node | None, pages: IntArray) -> None:
         """Give host-only nodes on the inserted path the caller's device pages."""
         nodes = path if tail_owner is None or tail_owner in path else [*path, tail_owner]
@@ -664,42 +457,6 @@ class RadixTree:
     def _same_tail(node: Node, key: TokenKey, lo: int) -> bool:
         """Whether ``node``'s tokens from ``lo`` to its end equal ``key``'s."""
         return key.same_tokens(lo, node.tokens[lo - node.start :])
-
-    def insert_host(self, tokens: TokenKey | object, host_pages: IntArray, cached_len: int) -> Node:
-        """Insert whole pages that only the host holds (a reload from disk): ``host_pages`` for the
-        pages after the first ``cached_len`` tokens, which the tree must hold exactly, ending at a
-        node with a host copy (host residency is root-connected). Returns the new host-only leaf.
-        """
-        key = self.key(tokens)
-        P, n = self.page_size, len(key)
-        host_pages = np.asarray(host_pages, dtype=np.int64)
-        if (
-            n % P
-            or cached_len % P
-            or not 0 <= cached_len < n
-            or host_pages.shape != ((n - cached_len) // P,)
-        ):
-            raise ConfigError(
-                f"insert_host of {n} tokens after {cached_len} needs whole pages, one host page "
-                f"each (page_size {P}); got {host_pages.shape}"
-            )
-        path, m = self._descend(key)
-        parent = path[-1] if path else self.root
-        if m * P != cached_len or parent.end != cached_len:
-            raise TreeUsageError(
-                f"insert_host after {cached_len} tokens: the tree holds {m * P} of them"
-                + ("" if parent.end == m * P else f" (its node ends at {parent.end})")
-            )
-        if parent is not self.root and not parent.on_host:
-            raise TreeUsageError(
-                f"insert_host under {parent!r}, which has no host copy (host residency is "
-                "root-connected)"
-            )
-        lanes_ok = host_pages % self.cp_size == np.arange(m, n // P) % self.cp_size
-        if not lanes_ok.all():
-            raise TreeUsageError("insert_host: host pages of the wrong lanes")
-        self._check_new_pages(Tier.L2, host_pages)
-        return self._new_leaf(parent, key, m, host_pages, Tier.L2)
 
     def _new_leaf(
         self, parent: Node, key: TokenKey, m: int, pages: IntArray, tier: Tier = Tier.L1
@@ -786,321 +543,11 @@ class RadixTree:
         self.policy.on_split(upper, node)
         return upper
 
-    # -- locks -----------------------------------------------------------------------------------
-
-    def lock(self, node: Node) -> None:
-        """Protect ``node``'s device pages and, since eviction is leaf-up, its ancestors'."""
-        self._check_alive(node, "lock")
-        if node is not self.root and not node.on_device:
-            raise TreeUsageError(
-                f"lock of {node!r}, which has no device pages; load it back first (host_lock "
-                "protects host pages)"
-            )
-        node.lock_ref += 1
-
-    def unlock(self, node: Node) -> None:
-        if node.lock_ref <= 0:
-            raise TreeUsageError(f"unlock of {node!r} which is not locked")
-        node.lock_ref -= 1
-        if node.lock_ref == 0:
-            self._refresh(node)
-
-    def host_lock(self, node: Node) -> None:
-        """Protect ``node``'s host pages (and its ancestors') while a copy reads them."""
-        self._check_alive(node, "host_lock")
-        if node is not self.root and not node.on_host:
-            raise TreeUsageError(f"host_lock of {node!r}, which has no host pages")
-        node.host_ref += 1
-
-    def host_unlock(self, node: Node) -> None:
-        if node.host_ref <= 0:
-            raise TreeUsageError(f"host_unlock of {node!r} whose host pages are not locked")
-        node.host_ref -= 1
-        if node.host_ref == 0:
-            self._refresh(node)
-
-    def _check_alive(self, node: Node, what: str) -> None:
-        if node.dead:
-            raise TreeUsageError(
-                f"{what} of {node!r}, which was evicted; match again to get a live node"
-            )
-
-    # -- residency transitions (driven by write-through, load-back and the planner) -------------
-
-    def start_backup(self, node: Node, host_pages: IntArray, ticket: int) -> None:
-        """Attach reserved host pages to a device-only node: ``DEVICE -> DEVICE_HOST_PENDING``.
-
-        The copy into them is in flight under ``ticket``; the node is invisible as a host copy
-        and unevictable until :meth:`commit_backup` or :meth:`abort_backup` of that ticket.
-        """
-        self._check_alive(node, "start_backup")
-        parent = node.parent
-        if node.residency is not Residency.DEVICE or parent is None:
-            raise TreeUsageError(f"start_backup of {node!r}: only a device-only node backs up")
-        if parent is not self.root and not parent.on_host:
-            raise TreeUsageError(
-                f"start_backup of {node!r}: its parent {parent.id} has no host copy (host "
-                "residency is root-connected)"
-            )
-        if ticket < 1:
-            raise TreeUsageError(f"backup tickets are >= 1, got {ticket}")
-        host_pages = np.asarray(host_pages, dtype=np.int64)
-        if host_pages.shape != (node.span,):
-            raise TreeUsageError(
-                f"start_backup of {node!r}: {node.span} host pages needed, got {host_pages.shape}"
-            )
-        lanes_ok = host_pages % self.cp_size == node.pages % self.cp_size
-        if not lanes_ok.all():
-            raise TreeUsageError(f"start_backup of {node!r}: host pages of the wrong lanes")
-        self._check_new_pages(Tier.L2, host_pages)
-        self._set_host(node, host_pages.copy(), Residency.DEVICE_HOST_PENDING)
-        node.ticket = ticket
-        self._pending.setdefault(ticket, []).append(node)
-
-    def pending_tickets(self) -> list[int]:
-        """Tickets with nodes still pending, oldest first."""
-        return sorted(self._pending)
-
-    def commit_backup(self, ticket: int) -> int:
-        """The frontier covers ``ticket``: its nodes' host copies become visible and evictable.
-        Returns how many pages were committed."""
-        count = 0
-        for node in self._pending.pop(ticket, []):
-            assert node.residency is Residency.DEVICE_HOST_PENDING and not node.dead, node
-            node.residency = Residency.DEVICE_HOST
-            node.ticket = 0
-            count += node.span
-            self._refresh(node)
-        return count
-
-    def abort_backup(self, ticket: int) -> list[tuple[int, IntArray]]:
-        """Roll back ``ticket``: its nodes drop their host pages (``-> DEVICE``), and so do their
-        descendants' pending backups, which cannot stand without them.
-
-        Returns ``(ticket, host_pages)`` per rolled-back node: the caller frees each once that
-        ticket's copy has landed (another ticket's copy may still be writing into its pages).
-        """
-        out: list[tuple[int, IntArray]] = []
-        stack = list(self._pending.pop(ticket, []))
-        while stack:
-            node = stack.pop()
-            if node.residency is not Residency.DEVICE_HOST_PENDING:
-                continue  # reached twice (an ancestor's descendant walk found it first)
-            out.append((node.ticket, self._drop_host(node)))
-            for child in node.children.values():
-                if child.on_host:
-                    stack.append(child)
-        for t, group in list(self._pending.items()):  # descendants taken from other tickets
-            left = [n for n in group if n.residency is Residency.DEVICE_HOST_PENDING]
-            if left:
-                self._pending[t] = left
-            else:
-                del self._pending[t]
-        return out
-
-    def attach_device(self, node: Node, device_pages: IntArray) -> None:
-        """Load-back: a host-only node gets device pages (``HOST -> DEVICE_HOST``); the caller
-        copies the bytes in before any forward reads them."""
-        self._check_alive(node, "attach_device")
-        parent = node.parent
-        if node.residency is not Residency.HOST or parent is None:
-            raise TreeUsageError(f"attach_device of {node!r}: only a host-only node loads back")
-        if parent is not self.root and not parent.on_device:
-            raise TreeUsageError(
-                f"attach_device of {node!r}: load its parent {parent.id} first (device residency "
-                "is root-connected)"
-            )
-        device_pages = np.asarray(device_pages, dtype=np.int64)
-        if device_pages.shape != (node.span,) or not np.array_equal(
-            device_pages % self.cp_size, node.host_pages % self.cp_size
-        ):
-            raise TreeUsageError(
-                f"attach_device of {node!r}: {node.span} device pages of the host pages' lanes "
-                f"needed, got {device_pages.tolist()}"
-            )
-        self._check_new_pages(Tier.L1, device_pages)
-        self._set_device(node, device_pages.copy())
-
-    def trim(self, node: Node, tier: Tier, count: int, requeue: bool = True) -> IntArray:
-        """Release the last ``count`` pages of ``node`` from ``tier`` and return them.
-
-        ``node`` must be an eviction candidate of ``tier`` (:meth:`is_candidate`). Where the node
-        has no other copy, its tail is cut off (all of it: the node goes); where it has one, the
-        tail part keeps only that copy (a split first if only part of the node goes). A node
-        cut short is queued again unless ``requeue`` is False (the planner queues it itself).
-        """
-        assert 0 < count <= node.span, (node, count)  # a candidate: the caller checked
-        if node.residency is not Residency.DEVICE_HOST:  # the only copy: cut the tail off
-            return self._cut_tail(node, tier, count, requeue)
-        if count < node.span:
-            self._split(node, (node.start // self.page_size + node.span - count) * self.page_size)
-        return self._drop_device(node) if tier is Tier.L1 else self._drop_host(node)
-
-    def _cut_tail(self, node: Node, tier: Tier, count: int, requeue: bool = True) -> IntArray:
-        """Remove the last ``count`` pages of a leaf that holds them in ``tier`` only."""
-        self._version += 1
-        pages = node.pages if tier is Tier.L1 else node.host_pages
-        freed = pages[node.span - count :].copy()
-        self._held[tier][freed] = False
-        self._count_pages(tier, -count)
-        parent = node.parent
-        assert parent is not None and not node.children
-        if count == node.span:
-            del parent.children[node.first_key]
-            node.dead = True
-            self.policy.on_remove(node)
-            self.num_tokens -= node.valid_len
-            self.num_nodes -= 1
-            if tier is Tier.L1:
-                parent.device_children -= 1
-            else:
-                parent.host_children -= 1
-            self._refresh(parent)
-            return freed
-        keep = node.span - count  # whole pages kept, so the node now ends on a page boundary
-        P = self.page_size
-        self.num_tokens -= node.valid_len - keep * P
-        self.policy.on_trim(node, count)
-        node.tokens = node.tokens[: keep * P].copy()
-        node.keys = node.keys[:keep].copy()
-        node.num_full = keep
-        node.full_key = node.end_key = node.keys.item(-1)
-        node.end = node.start + keep * P
-        node.span = keep
-        if tier is Tier.L1:
-            node.pages = node.pages[:keep].copy()
-        else:
-            node.host_pages = node.host_pages[:keep].copy()
-        if requeue:
-            self._refresh(node)
-        return freed
-
-    def _set_device(self, node: Node, pages: IntArray) -> None:
-        assert not node.on_device or node.pages.size == 0, node
-        node.pages = pages
-        self._held[Tier.L1][pages] = True
-        self._count_pages(Tier.L1, pages.size)
-        host = node.residency is Residency.HOST
-        node.residency = Residency.DEVICE_HOST if host else Residency.DEVICE
-        assert node.parent is not None
-        node.parent.device_children += 1
-        self._refresh(node)
-
-    def _set_host(self, node: Node, pages: IntArray, residency: Residency) -> None:
-        node.host_pages = pages
-        self._held[Tier.L2][pages] = True
-        self._count_pages(Tier.L2, pages.size)
-        node.residency = residency
-        assert node.parent is not None
-        node.parent.host_children += 1
-
-    def _drop_device(self, node: Node) -> IntArray:
-        """``DEVICE_HOST -> HOST``: the device copy goes, the committed host copy stays."""
-        self._version += 1
-        freed = node.pages
-        self._held[Tier.L1][freed] = False
-        self._count_pages(Tier.L1, -freed.size)
-        node.pages = _EMPTY_PAGES
-        node.residency = Residency.HOST
-        parent = node.parent
-        assert parent is not None
-        parent.device_children -= 1
-        self._refresh(parent)
-        self._refresh(node)
-        return freed
-
-    def _drop_host(self, node: Node) -> IntArray:
-        """``DEVICE_HOST(_PENDING) -> DEVICE``: the host copy goes, the device copy stays."""
-        self._version += 1
-        freed = node.host_pages
-        self._held[Tier.L2][freed] = False
-        self._count_pages(Tier.L2, -freed.size)
-        node.host_pages = _EMPTY_PAGES
-        node.residency = Residency.DEVICE
-        node.ticket = 0
-        parent = node.parent
-        assert parent is not None
-        parent.host_children -= 1
-        self._refresh(parent)
-        self._refresh(node)
-        return freed
-
-    def _count_pages(self, tier: Tier, delta: int) -> None:
-        if tier is Tier.L1:
-            self.num_pages += delta
-        else:
-            self.num_host_pages += delta
-
-    # -- eviction candidates ---------------------------------------------------------------------
-
-    def is_candidate(self, node: Node, tier: Tier) -> bool:
-        """Whether ``tier`` may release pages of ``node`` now: it holds them there, nothing
-        protects them, and no child holds pages in that tier (leaf-up)."""
-        if node.dead or node.parent is None:
-            return False
-        r = node.residency  # identity tests: hashing an Enum (a dict or set lookup) is slow here
-        if tier is Tier.L1:
-            ok = r is Residency.DEVICE or r is Residency.DEVICE_HOST
-            return ok and node.lock_ref == 0 and node.device_children == 0
-        ok = r is Residency.HOST or r is Residency.DEVICE_HOST
-        return ok and node.host_ref == 0 and node.host_children == 0
-
-    def _refresh(self, node: Node) -> None:
-        """Queue ``node`` in the heap of every tier it is now a candidate of (entries are lazy:
-        the planner skips stale ones)."""
-        for tier, heap in self.heaps.items():
-            if self.is_candidate(node, tier):
-                heapq.heappush(heap, (self.policy.priority(node), node))
-
-    def compact_heaps(self) -> None:
-        """Drop stale heap entries once they outnumber the nodes (called by the planner)."""
-        for tier, heap in self.heaps.items():
-            if len(heap) > 4 * self.num_nodes + 64:
-                fresh = [
-                    (self.policy.priority(n), n) for n in self.nodes() if self.is_candidate(n, tier)
-                ]
-                heapq.heapify(fresh)
-                self.heaps[tier] = fresh
-
     def evict(self, deficit: int | IntArray, tier: Tier = Tier.L1) -> IntArray:
         """Free pages of ``tier`` for a deficit; see :func:`kvstrata.cache.planner.evict`."""
         from .planner import evict
 
         return evict(self, tier, deficit)
-
-    def eviction_order(self, tier: Tier = Tier.L1) -> list[Node]:
-        """The order in which eviction would release every candidate of ``tier`` whole, without
-        changing anything (for tests and reports). Leaf-up: a parent follows its children."""
-        order: list[Node] = []
-        heap = list(self.heaps[tier])
-        heapq.heapify(heap)
-        children = {
-            n.id: n.device_children if tier is Tier.L1 else n.host_children for n in self.nodes()
-        }
-        gone: set[int] = set()
-        while heap:
-            prio, node = heapq.heappop(heap)
-            if node.id in gone or not self._virtual_candidate(node, tier, children):
-                continue
-            current = self.policy.priority(node)
-            if current != prio:
-                heapq.heappush(heap, (current, node))
-                continue
-            order.append(node)
-            gone.add(node.id)
-            parent = node.parent
-            assert parent is not None
-            if parent is not self.root:
-                children[parent.id] -= 1
-                if self._virtual_candidate(parent, tier, children):
-                    heapq.heappush(heap, (self.policy.priority(parent), parent))
-        return order
-
-    def _virtual_candidate(self, node: Node, tier: Tier, children: dict[int, int]) -> bool:
-        if node.dead or node.parent is None or node.residency not in _EVICTABLE[tier]:
-            return False
-        ref = node.lock_ref if tier is Tier.L1 else node.host_ref
-        return ref == 0 and children[node.id] == 0
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -1126,56 +573,12 @@ class RadixTree:
     def digest(self) -> str:
         """SHA-256 over the tree's full replicated state (structure, pages, residency, locks,
         clock, stats)."""
-        h = hashlib.sha256()
-        h.update(
-            np.array(
-                [self.clock, self.num_pages, self.num_host_pages, self.num_tokens], dtype=np.int64
-            ).tobytes()
-        )
-        for n in self.nodes():
-            assert n.parent is not None
-            h.update(
-                np.array(
-                    [
-                        n.id,
-                        n.parent.id,
-                        n.start,
-                        n.end,
-                        n.lock_ref,
-                        n.host_ref,
-                        n.last_access,
-                        n.hit_count,
-                        n.segment,
-                        n.ticket,
-                        list(Residency).index(n.residency),
-                    ],
-                    dtype=np.int64,
-                ).tobytes()
-            )
-            h.update(n.pages.tobytes())
-            h.update(n.host_pages.tobytes())
-        return h.hexdigest()
+        from .radix_check import tree_digest
+
+        return tree_digest(self)
 
     def check(self) -> None:
         """Verify every invariant; raise :class:`TreeInvariantError` naming the node otherwise."""
         from .radix_check import check_tree
 
         check_tree(self)
-
-
-_ARRAY_HEADER = sys.getsizeof(np.empty(0, dtype=np.int64))
-
-
-def _concat(arrays: list[IntArray]) -> IntArray:
-    if not arrays:
-        return _EMPTY_PAGES
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-
-def _path_to(node: Node) -> list[Node]:
-    """``node`` and its ancestors below the root, root side first."""
-    path: list[Node] = []
-    while node.parent is not None:
-        path.append(node)
-        node = node.parent
-    return path[::-1]

@@ -7,6 +7,7 @@ pending tickets and the per-tier eviction heaps. Raises :class:`TreeInvariantErr
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -135,3 +136,37 @@ def _check_heaps(tree: RadixTree, nodes: list[Node]) -> None:
                     raise TreeInvariantError(
                         f"{tier.name} eviction candidate {n.id} is not queued for eviction"
                     )
+
+
+def tree_digest(tree: RadixTree) -> str:
+    """SHA-256 over the tree's full replicated state (structure, pages, residency, locks,
+    clock, stats)."""
+    h = hashlib.sha256()
+    h.update(
+        np.array(
+            [tree.clock, tree.num_pages, tree.num_host_pages, tree.num_tokens], dtype=np.int64
+        ).tobytes()
+    )
+    for n in tree.nodes():
+        assert n.parent is not None
+        h.update(
+            np.array(
+                [
+                    n.id,
+                    n.parent.id,
+                    n.start,
+                    n.end,
+                    n.lock_ref,
+                    n.host_ref,
+                    n.last_access,
+                    n.hit_count,
+                    n.segment,
+                    n.ticket,
+                    list(Residency).index(n.residency),
+                ],
+                dtype=np.int64,
+            ).tobytes()
+        )
+        h.update(n.pages.tobytes())
+        h.update(n.host_pages.tobytes())
+    return h.hexdigest()

@@ -14,6 +14,7 @@ kvstrata bench replay   cache-only replay speed on a whole trace, and what metri
 kvstrata bench cp       bytes moved and step time of both CP attention strategies, cp = 1, 2, 4
 kvstrata bench disk     spill and reload through the disk tier against dd with O_DIRECT
 kvstrata bench sglang-backend  the SGLang storage backend's batch_set_v1/batch_get_v1 against dd
+kvstrata bench remote   shared tier publish and fetch on a loopback Redis against redis-benchmark
 kvstrata disk check     audit a disk tier directory: slabs against the index (--fix repairs)
 kvstrata bench attention paged attention kernels against SDPA on the same pages (CUDA)
 kvstrata bench gpu      end-to-end GPU figures: ceilings, replay, L1/L2 TTFT, write-through

@@ -7,6 +7,7 @@ written again as a literal; ``tests/test_cli_defaults.py`` walks every parser to
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from ..arrivals import ArrivalSpec
@@ -15,6 +16,7 @@ from ..config import HOST_LAYOUTS, WRITE_POLICIES
 from ..engine import EngineConfig
 from ..model.attention import ATTENTION_BACKENDS
 from ..replay import ReplayConfig
+from ..tiers.remote.config import password_from_env
 
 #: Default torch intra-op threads of ``replay``: one, because the engine's per-step ops are small
 #: and two threads make a replay 10-20x slower as soon as another process uses a core
@@ -183,6 +185,33 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         help="spill only pages used at least N times (their first use counts)",
     )
     p.add_argument(
+        "--remote",
+        default=EngineConfig.remote_url,
+        metavar="URL",
+        help="the shared tier in L3's place: a Redis store a fleet of instances shares, "
+        "redis://HOST:PORT[/DB] or redis+cluster://HOST:PORT[,HOST:PORT...]; a password in the "
+        "URL or REDIS_PASSWORD / REDISCLI_AUTH (needs an L2; not with --l3-dir yet)",
+    )
+    p.add_argument(
+        "--remote-gib",
+        type=float,
+        default=EngineConfig.remote_gib,
+        help="this namespace's share of the store, in GiB, all ranks together",
+    )
+    p.add_argument(
+        "--remote-timeout-ms",
+        type=float,
+        default=EngineConfig.remote_timeout_ms,
+        help="socket timeout of each round trip; a timeout opens the breaker (misses for 5 s)",
+    )
+    p.add_argument(
+        "--remote-min-hits",
+        type=int,
+        default=EngineConfig.remote_min_hits,
+        metavar="N",
+        help="publish only pages used at least N times (their first use counts)",
+    )
+    p.add_argument(
         "--cp",
         type=int,
         default=ReplayConfig.cp,
@@ -331,6 +360,11 @@ def replay_config(args: argparse.Namespace) -> ReplayConfig:
             l3_gib=args.l3_gib,
             l3_start=args.l3_start,
             l3_min_hits=args.l3_min_hits,
+            remote_url=args.remote,
+            remote_gib=args.remote_gib,
+            remote_timeout_ms=args.remote_timeout_ms,
+            remote_min_hits=args.remote_min_hits,
+            remote_password=password_from_env(os.environ) if args.remote else None,
             cp_attention=args.cp_attention,
             check_digests=args.check_digests,
             chunk_size=args.chunk_size,

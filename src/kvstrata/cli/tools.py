@@ -23,6 +23,7 @@ BENCHMARKS = (
     "memory",
     "cp",
     "disk",
+    "remote",
     "sglang-backend",
     "attention",
     "gpu",
@@ -170,10 +171,10 @@ def disk_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("dir", metavar="DIR", help="the disk tier directory")
     g.add_argument(
         "--keep",
-        nargs="+",
-        default=[],
+        action="append",
         metavar="NS",
-        help="namespaces to keep (the 16 hex digits 'disk check' prints, or a prefix)",
+        help="a namespace to keep (the 16 hex digits 'disk check' prints, or a prefix); repeat "
+        "the flag for several",
     )
     g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     g.set_defaults(func=_run_disk_gc)

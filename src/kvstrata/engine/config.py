@@ -3,13 +3,14 @@ default reads its field)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, WRITE_POLICIES, CacheConfig, HostLayout
 from ..dist.attention import check_strategy
 from ..errors import ConfigError
+from ..tiers.remote.config import parse_url
 
 GIB = 1 << 30
 
@@ -37,6 +38,12 @@ class EngineConfig:
     l3_gib: float = 0.0  # disk bytes this rank's slabs take
     l3_start: str = "clear"  # "clear" (start empty) or "load" (keep what the directory holds)
     l3_min_hits: int = 1  # spill only pages used at least this often
+    # the shared tier (Redis) in L3's place: tiers/remote/config.py; it may carry a password
+    remote_url: str | None = field(default=None, repr=False)
+    remote_gib: float = 0.0  # this namespace's share of the store, all ranks together
+    remote_timeout_ms: float = 500.0  # socket timeout of every round trip to the store
+    remote_min_hits: int = 1  # publish only pages used at least this often
+    remote_password: str | None = field(default=None, repr=False)  # when the URL has none
     cp_attention: str = "auto"  # under CP: move_kv, move_queries, or auto (cheaper per step)
     check_digests: bool = False  # under CP: compare replicated digests across ranks every step
 
@@ -103,9 +110,38 @@ class EngineConfig:
                     f"--write-policy {self.write_policy} nothing would reach the disk: use "
                     "--write-policy write_through with --l3-dir"
                 )
+        if self.remote_url is not None:
+            self._check_remote()
         if not 0 < self.max_host_alloc_gib <= 2**20:
             raise ConfigError(
                 f"the per-allocation cap must be > 0 GiB, got {self.max_host_alloc_gib!r}"
+            )
+
+    def _check_remote(self) -> None:
+        assert self.remote_url is not None
+        parse_url(self.remote_url)  # a URL that names no store is refused here, before any I/O
+        if not self.has_l2:
+            raise ConfigError(
+                "the shared tier (--remote) publishes host pages: give an L2 too (--l2-tokens)"
+            )
+        if self.l3_dir is not None:
+            raise ConfigError(
+                "--remote takes the disk tier's place behind L2; both at once are not supported "
+                "yet: give --remote or --l3-dir"
+            )
+        if not 0 < self.remote_gib <= 2**20:
+            raise ConfigError(f"--remote-gib must lie in (0, 1048576], got {self.remote_gib!r}")
+        if not 0 < self.remote_timeout_ms <= 3_600_000:
+            raise ConfigError(
+                f"--remote-timeout-ms must lie in (0, 3600000], got {self.remote_timeout_ms!r}"
+            )
+        if not isinstance(self.remote_min_hits, int) or self.remote_min_hits < 0:
+            raise ConfigError(f"--remote-min-hits must be >= 0, got {self.remote_min_hits!r}")
+        if self.write_policy != "write_through":
+            raise ConfigError(
+                f"the shared tier publishes the pages each write-through backup commits; with "
+                f"--write-policy {self.write_policy} nothing would reach it: use "
+                "--write-policy write_through with --remote"
             )
 
     @property

@@ -20,7 +20,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import NamedTuple
 
-from ..cache.radix import Node
+from ..cache.node import Node
 from .hierarchy import CacheHierarchy, Settled
 from .request import Waiting, reusable_len
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -33,12 +33,17 @@ from ..tiers.host_pool import HostPool
 from ..tiers.loadback import LoadBack
 from ..tiers.page_hash import Namespace, page_hashes
 from ..tiers.pool import DevicePool
+from ..tiers.remote.config import RemoteConfig
+from ..tiers.remote.tier import RemotePages
 from ..tiers.spill import DiskTier, SpillItem
 from ..tiers.tickets import FrontierFn, TicketKind, TicketLedger, local_frontier
 from ..tiers.transfer import Completion, Transfer, TransferStats
 from ..tiers.writethrough import Reservation, WriteThrough
 from .config import GIB, EngineConfig
 from .request import Running, insertable_len
+
+if TYPE_CHECKING:
+    from ..tiers.remote.store import RemoteStore
 
 __all__ = ["CacheHierarchy", "Claim", "FrontierFn", "Moved", "Settled"]
 
@@ -52,7 +57,7 @@ class Claim(NamedTuple):
     pages: IntArray  # one device page per page of the whole sequence
     cached_len: int
     host_len: int  # of cached_len, being loaded back from L2
-    disk_len: int  # of host_len, brought from L3 by a reload
+    disk_len: int = 0  # of host_len, brought from L3 by a reload
 
 
 class Moved(NamedTuple):
@@ -148,6 +153,19 @@ class CacheHierarchy:
             )
             self.disk = DiskTier(
                 self.tree, self.host_allocator, self.host_pool, store, self.ledger, rank
+            )
+        self.remote: RemoteStore | None = None  # the shared tier, in the disk's place
+        if config.remote_url is not None:
+            assert self.host_pool is not None and self.host_allocator is not None
+            self.namespace = Namespace.for_layout(model_id, layout, P, cp)
+            self.remote = _open_remote(config, self.namespace, rank)
+            self.disk = DiskTier(
+                self.tree,
+                self.host_allocator,
+                self.host_pool,
+                RemotePages(self.remote),
+                self.ledger,
+                rank,
             )
         #: Test hook: may hold completions back before they count as progress (a slow rank).
         self.report_delay: Callable[[list[Completion]], list[Completion]] | None = None
@@ -374,7 +392,7 @@ class CacheHierarchy:
         if self.transfer is None:
             return Settled((), agree)
         if self.disk is not None:  # the fixed point: the disk's work of the last step is done
-            self.disk_wait_s += self.disk.wait_in_flight(self.disk.store.config.io_timeout_s)
+            self.disk_wait_s += self.disk.wait_in_flight(self.disk.store.io_timeout_s)
         self._drain()
         progress = replace(self.ledger.progress(), agree=agree)
         frontier = self.frontier(progress)
@@ -467,6 +485,20 @@ class CacheHierarchy:
             "tree": self.tree.digest(),
             "host allocator": self.host_allocator.digest() if self.host_allocator else "",
         }
+
+
+def _open_remote(config: EngineConfig, namespace: Namespace, rank: int) -> RemoteStore:
+    from ..tiers.remote.store import RemoteStore  # the remote extra (redis-py)
+
+    assert config.remote_url is not None
+    remote = RemoteConfig(
+        config.remote_url,
+        budget_bytes=int(config.remote_gib * GIB),
+        timeout_s=config.remote_timeout_ms / 1e3,
+        min_hits=config.remote_min_hits,
+        password=config.remote_password,
+    )
+    return RemoteStore(namespace, rank, remote)
 
 
 class Settled(NamedTuple):

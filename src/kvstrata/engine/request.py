@@ -11,7 +11,7 @@ import numpy.typing as npt
 import torch
 
 from ..cache.keys import TokenKey
-from ..cache.radix import Node
+from ..cache.node import Node
 from ..handoff import Handoff
 from ..workloads import Request
 

@@ -28,7 +28,7 @@ from .config import ReplayConfig, cost_model, model_id
 from .feed import Feed, open_workload
 from .reports import VerifyReport
 from .state import Driven, EngineTimer, ReplayObserver, ReplayRun, _Tally
-from .summary import ReplaySummary, summarize
+from .summary import ReplaySummary, shown_url, summarize
 from .verify import VerifySample, handoff_transport, send_handoffs, verify_sample
 
 #: Engine steps between returns of freed heap memory to the OS (see :func:`release_free_heap`).
@@ -102,7 +102,11 @@ def _rank_main(
 
 def _agree_on_config(group: Group, cfg: ReplayConfig) -> None:
     """Every rank must run the same configuration: compare them, naming a field that differs."""
-    agree_on_config(group, {**asdict(cfg), "kvstrata": __version__, "torch": torch.__version__})
+    mine = {**asdict(cfg), "kvstrata": __version__, "torch": torch.__version__}
+    # A store password is each rank's own business, and a mismatch message must not print it.
+    url = shown_url(cfg.engine.remote_url)
+    mine["engine"] = {**mine["engine"], "remote_url": url, "remote_password": None}
+    agree_on_config(group, mine)
 
 
 def _run(
@@ -114,7 +118,6 @@ def _run(
 ) -> ReplaySummary:
     """Check what can be checked, build the engine, replay, verify, summarise."""
     _agree_on_config(group, cfg)
-    # A collective on every rank (under CP rank 0 makes this run's handoff subdirectory).
     transport = handoff_transport(cfg, group) if cfg.decode_tokens else None
     shape = compute_shape(cfg, compute)
     # Under CP a request spreads over every rank's pool, so cp pools bound its length.
@@ -146,9 +149,8 @@ def _run(
                 verify = verify_sample(cfg, compute, sample, progress, transport)
             except KeyboardInterrupt:
                 driven = driven._replace(interrupted=True)
-            finally:
-                if isinstance(transport, DirectoryTransport):
-                    transport.close()  # this run's subdirectory, and only its own parts
+    if group.rank == 0 and isinstance(transport, DirectoryTransport):
+        transport.close()  # this run's subdirectory, and only its own parts
     return summarize(run, group, source, compute, driven, verify)
 
 

@@ -135,6 +135,7 @@ class TierReport:
     load_back_wait_ms: float
     l3_hit_tokens: int = 0
     l3: dict[str, int] | None = None  # the disk store's counters (spills, reads, GC, errors)
+    remote: dict[str, int] | None = None  # the shared store's (in L3's place): hits, breaker, ...
 
     @classmethod
     def of(cls, engine: Engine) -> TierReport | None:
@@ -162,9 +163,10 @@ class TierReport:
             l3_hit_tokens=engine.hit_tokens[Tier.L3],
             l3=(
                 dict(engine.cache.disk.store.stats().counters) | asdict(engine.cache.disk.stats)
-                if engine.cache.disk is not None
+                if engine.cache.disk is not None and engine.cache.remote is None
                 else None
             ),
+            remote=_remote_counters(engine),
         )
 
     def rows(self, cached_tokens: int) -> list[tuple[str, str]]:
@@ -181,6 +183,17 @@ class TierReport:
             if l3 is not None
             else []
         )
+        r = self.remote
+        if r is not None:
+            disk.append(
+                (
+                    "remote: published / fetched pages",
+                    f"{r['pages_written']:,} (+{r['pages_present']:,} there) / "
+                    f"{r['reloaded_pages']:,} (misses {r['misses']:,}, verify failures "
+                    f"{r['verify_failures']}, timeouts {r['timeouts']}, breaker opens "
+                    f"{r['breaker_opens']}, writes skipped {r['writes_skipped']:,})",
+                )
+            )
         return disk + [
             (
                 "hit tokens L1 / L2 / L3",
@@ -205,3 +218,16 @@ class TierReport:
                 f"{self.loads:,} ({self.loads_failed}), {self.load_back_wait_ms:.1f}",
             ),
         ]
+
+
+def _remote_counters(engine: Engine) -> dict[str, int] | None:
+    """The shared store's counters and what the engine did with it, when it has one."""
+    remote, disk = engine.cache.remote, engine.cache.disk
+    if remote is None or disk is None:
+        return None
+    stats = remote.stats()
+    return (
+        dict(stats.counters)
+        | asdict(disk.stats)
+        | {"writes_skipped": stats.writes_skipped, "used_bytes": stats.used_bytes}
+    )

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..cache.radix import TreeStats
+from ..cache.node import TreeStats
 from ..dist.group import Group
 from ..model.compute import Compute
 from ..workloads import SkippedLine
@@ -205,7 +205,16 @@ class ReplaySummary:
 #: ``cost`` is under the summary's ``clock``.
 _NOT_COPIED = ("engine", "arrivals", "cost")
 #: Config fields the block names otherwise (the CLI's flag names).
-_RENAMED = {"pool_tokens": "l1_tokens"}
+_RENAMED = {"pool_tokens": "l1_tokens", "remote_url": "remote"}
+#: Config fields the block never shows (a store password is each rank's own business).
+_HIDDEN = ("remote_password",)
+
+
+def shown_url(url: str | None) -> str | None:
+    """A store URL without its password (what the JSON and messages show)."""
+    from ..tiers.remote.config import parse_url
+
+    return parse_url(url).shown if url is not None else None
 
 
 def config_block(
@@ -216,9 +225,11 @@ def config_block(
     dtype and vocabulary, the look-ahead, the threads, the arrivals, the clock, the ranks."""
     engine = cfg.engine
     block = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _NOT_COPIED}
-    block |= {_RENAMED.get(k, k): v for k, v in asdict(engine).items()}
+    block |= {_RENAMED.get(k, k): v for k, v in asdict(engine).items() if k not in _HIDDEN}
+    block["remote"] = shown_url(engine.remote_url)
     applies = {
         ("l3_gib", "l3_start", "l3_min_hits"): bool(engine.l3_dir),
+        ("remote_gib", "remote_timeout_ms", "remote_min_hits"): bool(engine.remote_url),
         ("host_layout", "write_policy", "write_through_hits"): engine.has_l2,
         ("kv_width",): cfg.model == "none",
         ("attention",): cfg.model != "none",

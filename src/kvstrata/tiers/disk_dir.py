@@ -196,15 +196,18 @@ def prepare_root(root: Path, create: bool = True) -> None:
     # ROOT itself is the user's choice and may be a link to a directory (``/nvme`` often is);
     # everything below it is kvstrata's and is never reached through one.
     if not root.is_dir():
-        if os.path.lexists(root):
+        if not os.path.lexists(root):
+            if not create:
+                raise DiskStoreError(f"{root} is not a kvstrata disk directory (it does not exist)")
+            try:
+                os.makedirs(root.parent, exist_ok=True)
+            except OSError as err:
+                raise DiskStoreError(f"cannot create {root.parent}: {err.strerror}") from None
+            _make_dir(root)
+        # Asked again: the ranks of a CP group prepare one root at once, and a peer may have
+        # made it between the first look and the second.
+        if not root.is_dir():
             raise DiskStoreError(f"{root} is not a directory; give the disk tier a directory")
-        if not create:
-            raise DiskStoreError(f"{root} is not a kvstrata disk directory (it does not exist)")
-        try:
-            os.makedirs(root.parent, exist_ok=True)
-        except OSError as err:
-            raise DiskStoreError(f"cannot create {root.parent}: {err.strerror}") from None
-        _make_dir(root)
     marker = _read_marker(root)
     if marker is None:
         foreign = _foreign_entries(root)

@@ -27,8 +27,11 @@ DROPPED_CAP = 65536
 class RateLimitedLog:
     """At most one warning per kind every ``every_s`` seconds (wall clock only paces logging)."""
 
-    def __init__(self, every_s: float = 10.0) -> None:
+    def __init__(
+        self, every_s: float = 10.0, logger: logging.Logger | None = None, tier: str = "disk tier"
+    ) -> None:
         self.every_s = every_s
+        self._log, self._tier = logger or log, tier
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
 
@@ -38,7 +41,7 @@ class RateLimitedLog:
             if now - self._last.get(kind, -self.every_s) < self.every_s:
                 return
             self._last[kind] = now
-        log.warning("disk tier: %s", message)
+        self._log.warning("%s: %s", self._tier, message)
 
 
 COUNTERS = (
@@ -67,11 +70,12 @@ COUNTERS = (
 
 
 class Counters:
-    """Cumulative counts, bumped from any thread."""
+    """Cumulative counts, bumped from any thread (the disk tier's :data:`COUNTERS`, or the
+    names another tier counts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: tuple[str, ...] = COUNTERS) -> None:
         self._lock = threading.Lock()
-        self._n = dict.fromkeys(COUNTERS, 0)
+        self._n = dict.fromkeys(names, 0)
 
     def add(self, **counts: int) -> None:
         with self._lock:

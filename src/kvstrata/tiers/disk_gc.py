@@ -32,12 +32,12 @@ class GcReport:
         return sum(n for _, n in self.removed)
 
 
-def collect(root: Path, keep: Iterable[str] = (), dry_run: bool = False) -> GcReport:
+def collect(root: Path, keep: Iterable[str] | None = None, dry_run: bool = False) -> GcReport:
     """Remove every idle group under ``root`` whose namespace (16 hex digits, or a prefix of
     them) is not in ``keep``; ``dry_run`` only says what would go."""
     root = Path(root)
     prepare_root(root, create=False)
-    prefixes = [k.lower() for k in keep]
+    prefixes = [k.lower() for k in keep or ()]
     report = GcReport()
     for group in list_groups(root):
         ns_hex = group.name.rsplit("-r", 1)[0]

@@ -400,6 +400,15 @@ class DiskStore:
             self._open_tickets -= len(out.spilled) + len(out.reloaded)
         return out
 
+    @property
+    def where(self) -> str:
+        """The store, for messages."""
+        return f"under {self.config.root}"
+
+    @property
+    def io_timeout_s(self) -> float:
+        return self.config.io_timeout_s
+
     def flush(self, timeout_s: float) -> bool:
         """Wait until every accepted spill and reload finished; False if ``timeout_s`` ran out."""
         return self.wait(timeout_s, spills_writing=0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +34,9 @@ from ..residency import Tier
 from .disk_store import DiskStore
 from .host_pool import HostPool
 from .tickets import TicketKind, TicketLedger
+
+if TYPE_CHECKING:  # the shared tier needs the remote extra (redis) only when it is used
+    from .remote.tier import RemotePages
 
 IntArray = npt.NDArray[np.int64]
 #: Spills the engine lets the store still be writing when a step settles: their fdatasync and
@@ -81,7 +84,7 @@ class DiskTier:
     tree: RadixTree
     host_allocator: PageAllocator
     host_pool: HostPool
-    store: DiskStore
+    store: DiskStore | RemotePages  # the disk, or the shared store in its place
     ledger: TicketLedger
     rank: int = 0
     stats: DiskStatsView = field(default_factory=DiskStatsView)
@@ -139,7 +142,7 @@ class DiskTier:
             raise DiskStoreError(
                 f"rank {self.rank}: the disk tier's I/O did not finish within {timeout_s:g} s "
                 f"({len(self._spills)} spills, {len(self._reloads)} reloads in flight); the disk "
-                f"under {self.store.config.root} stopped answering"
+                f"{self.store.where} stopped answering"
             )
         return time.perf_counter() - t0
 

@@ -1,0 +1,523 @@
+"""The shared tier of one rank: host pages published to a Redis store that several prefill
+instances share, looked up and fetched back verified (docs/design.md, "Shared tier").
+
+::
+
+    store = RemoteStore(namespace, rank, RemoteConfig("redis://10.0.0.5:6379/0", 64 << 30))
+    store.publish(ticket, [(page_hash, host_slot, hits), ...], host_pool)   # async, FIFO
+    store.lookup(hashes)            # leading pages whose every payload is in the store
+    store.fetch(ticket, hashes, host_pool, host_slots)     # async: ok per page
+    store.poll()                    # RemotePoll: released, published, fetched
+    store.flush(timeout_s); store.stats(); store.check(); store.close()
+
+Every round trip runs on the store's threads, never on the caller's: a ticket is cut into batches
+of ``batch_pages`` pages, queued in order, and each batch is one pipeline (EXISTS, then SET NX of
+the missing pages' values; or GET of every payload). A publish copies its pages out of the host
+pool on those threads and reports the ticket ``released`` once every batch has, so the caller
+keeps the host slots pinned until then. A lookup waits for its answer at most twice the socket
+timeout. A value is written whole by one SET (atomic in Redis), so a reader sees a page's payload
+entirely or not at all; every value read is checked (``values.check_value``) before one byte of
+it reaches the host pool, and a bad one is a counted miss whose keys are deleted.
+
+Faults never raise: a timeout or connection error opens the breaker (``client.Breaker``), and for
+its interval every call answers at once (lookups 0, fetches all misses, publishes skipped), all
+counted. The budget (``RemoteConfig.budget_bytes / cp_size`` per rank) counts this rank's keys by
+a SCAN at the first publish and whenever a write would pass it (at most every
+:data:`RECOUNT_S`), plus what it wrote since; writes past it are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from ...errors import ConfigError, PoolInvariantError
+from ..disk_events import Counters, RateLimitedLog
+from ..host_pool import HostPool
+from ..page_hash import HASH_BYTES, Namespace
+from .client import Breaker, CommandError, RedisClient, StoreUnavailable, log, tune_malloc
+from .config import RemoteConfig
+from .results import COUNTERS, Events, FetchDone, PublishDone, RemotePoll, RemoteStats
+from .values import check_value, decode_value_into, encode_value, key_kind, page_key, rank_pattern
+from .values import value_bytes as value_len
+
+__all__ = ["RemoteConfig", "RemotePoll", "RemoteStats", "RemoteStore"]
+
+#: The soonest a budget that looks full is counted again by a SCAN (the store's own eviction
+#: frees keys the store does not tell anyone about).
+RECOUNT_S = 10.0
+#: Pages one lookup round trip asks about (EXISTS replies are a few bytes each).
+LOOKUP_PAGES = 256
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class _Job:
+    ticket: int
+    host_pool: HostPool
+    order: list[bytes]  # the pages, in the caller's order
+    pending: int  # batches not finished
+    gathering: int = 0  # publish: batches that have not sent their pages yet
+    skipped: list[bytes] = field(default_factory=list)
+    written: set[bytes] = field(default_factory=set)
+    present: set[bytes] = field(default_factory=set)
+    ok: list[bool] = field(default_factory=list)  # fetch
+    budget_turn: int = 0  # publish: the batch whose budget is decided next (in page order)
+
+
+class RemoteStore:
+    """One rank's connection to the shared store, its threads, breaker, budget and counters."""
+
+    def __init__(self, namespace: Namespace, rank: int, config: RemoteConfig) -> None:
+        if not 0 <= rank < namespace.cp_size:
+            raise ConfigError(f"rank {rank} is outside [0, {namespace.cp_size}) (the cp_size)")
+        self.namespace, self.rank, self.config = namespace, rank, config
+        self.address = config.address
+        self._kinds = range(len(namespace.payloads))
+        self._value_len = [value_len(namespace, k) for k in self._kinds]
+        self.page_bytes = sum(self._value_len)
+        self.budget_bytes = config.budget_bytes // namespace.cp_size
+        if self.budget_bytes < self.page_bytes:
+            raise ConfigError(
+                f"a remote budget of {config.budget_bytes:,} bytes over {namespace.cp_size} "
+                f"rank(s) holds no page of {self.page_bytes:,} bytes; raise --remote-gib"
+            )
+        self.counters = Counters(COUNTERS)
+        self.breaker = Breaker(config.breaker_s)
+        self.malloc_tuned = tune_malloc() if config.tune_malloc else False
+        self._warn = RateLimitedLog(logger=log, tier="shared tier")
+        self._client: RedisClient | None = None
+        self._client_lock = threading.Lock()
+        self._events = Events()
+        self._crash: BaseException | None = None
+        self._open_tickets = 0  # accepted and not yet returned by poll()
+        self._closed = False
+        self._used = 0  # value bytes of this rank's keys, as counted plus written since
+        self._reserved = 0  # bytes of writes in flight
+        self._counted_at: float | None = None
+        self._budget_lock, self._recount_lock = threading.Lock(), threading.Lock()
+        self._io = concurrent.futures.ThreadPoolExecutor(config.threads, "kvstrata-remote")
+        self._lookup_io = concurrent.futures.ThreadPoolExecutor(1, "kvstrata-remote-lookup")
+
+    # -- round trips -----------------------------------------------------------------------------
+
+    def _connect(self) -> RedisClient:
+        with self._client_lock:
+            if self._client is None:  # a cluster client asks a seed node for the slots here
+                self._client = RedisClient(
+                    self.address, self.config.timeout_s, self.config.threads + 1
+                )
+            return self._client
+
+    def _call(self, fn: Callable[[RedisClient], T]) -> T:
+        """One round trip through the breaker; raises :class:`StoreUnavailable` (counted)."""
+        if not self.breaker.allow():
+            self.counters.add(breaker_skips=1)
+            raise StoreUnavailable("the breaker is open", timeout=False)
+        try:
+            out = fn(self._connect())
+        except StoreUnavailable as err:
+            self._failed(err)
+            raise
+        self.breaker.success()
+        return out
+
+    def _failed(self, err: StoreUnavailable) -> None:
+        self.counters.add(timeouts=int(err.timeout), connection_errors=int(not err.timeout))
+        if self.breaker.failure():
+            self.counters.add(breaker_opens=1)
+            self._warn.warn(
+                "down",
+                f"{self.address.shown}: {err}; answering misses for {self.config.breaker_s} s",
+            )
+
+    def _exists(self, keys: list[bytes]) -> list[bool | CommandError]:
+        return self._call(lambda c: c.exists(keys))
+
+    def _keys(self, page_hash: bytes) -> list[bytes]:
+        return [page_key(self.namespace, self.rank, page_hash, k) for k in self._kinds]
+
+    # -- tickets ---------------------------------------------------------------------------------
+
+    def _check_args(
+        self, hashes: Sequence[bytes], host_pool: HostPool | None, host_slots: Sequence[int]
+    ) -> None:
+        bad = [h for h in hashes if not isinstance(h, bytes) or len(h) != HASH_BYTES]
+        if bad:
+            raise ConfigError(f"page hashes are {HASH_BYTES} bytes (page_hashes), got {bad[0]!r}")
+        if host_pool is None:
+            return
+        ns = self.namespace
+        if host_pool.layout != ns.layout or host_pool.page_size != ns.page_size:
+            raise ConfigError(
+                "the host pool's layout or page size differs from the remote namespace's: "
+                f"{host_pool.layout} / {host_pool.page_size} vs {ns.layout} / {ns.page_size}"
+            )
+        outside = [s for s in host_slots if not 0 <= s < host_pool.num_slots]
+        if outside:
+            raise ConfigError(f"host slots {outside[:5]} are outside [0, {host_pool.num_slots})")
+
+    def _take_ticket(self) -> bool:
+        with self._events.cond:
+            if self._closed or self._open_tickets >= self.config.max_tickets:
+                return False
+            self._open_tickets += 1
+            self._events.running += 1
+            return True
+
+    def _batches(self, n: int) -> list[range]:
+        step = self.config.batch_pages
+        return [range(i, min(i + step, n)) for i in range(0, n, step)]
+
+    def _guard(self, fn: Callable[..., None], *args: object) -> None:
+        """Run a batch on a store thread; a bug in it is kept for ``poll()`` to raise."""
+        try:
+            fn(*args)
+        except BaseException as err:
+            self._crash = err
+            log.exception("shared tier: a store thread failed")
+            with self._events.cond:
+                self._events.cond.notify_all()
+
+    def _raise_crash(self) -> None:
+        if self._crash is not None:
+            raise self._crash
+
+    # -- publish ---------------------------------------------------------------------------------
+
+    def publish(
+        self, ticket: int, pages: Sequence[tuple[bytes, int, int]], host_pool: HostPool
+    ) -> bool:
+        """Publish ``(page hash, host slot, hits)`` pages in this order, asynchronously.
+
+        Returns False when refused (``max_tickets`` in flight, or closed): nothing was queued and
+        the host slots are the caller's again. Otherwise ``poll()`` reports the ticket in
+        ``released`` once its host slots were sent (keep them pinned until then), and in
+        ``published`` when every page is in the store, failed, or skipped by admission."""
+        self._raise_crash()
+        self._check_args([h for h, _, _ in pages], host_pool, [s for _, s, _ in pages])
+        if not self._take_ticket():
+            self.counters.add(publishes_refused=1)
+            return False
+        admit = [(h, slot) for h, slot, hits in pages if hits >= self.config.min_hits]
+        skipped = [h for h, _, hits in pages if hits < self.config.min_hits]
+        self.counters.add(publishes=1, skipped_admission=len(skipped))
+        batches = self._batches(len(admit))
+        job = _Job(ticket, host_pool, [h for h, _ in admit], len(batches), len(batches), skipped)
+        if not batches:
+            with self._events.cond:
+                self._events.released.append(ticket)
+                self._finish_publish(job)
+        for turn, b in enumerate(batches):
+            self._io.submit(self._guard, self._publish_batch, job, [admit[i] for i in b], turn)
+        return True
+
+    def _publish_batch(self, job: _Job, pages: list[tuple[bytes, int]], turn: int) -> None:
+        n, keys = len(self._kinds), [self._keys(h) for h, _ in pages]
+        written: list[bytes] = []
+        present: list[bytes] = []
+        gathered, reserved, new_bytes, over = False, 0, 0, 0
+        try:
+            try:
+                there = self._exists([k for ks in keys for k in ks])
+                todo = []
+                for i, (h, _) in enumerate(pages):
+                    if all(x is True for x in there[i * n : (i + 1) * n]):
+                        present.append(h)
+                    else:
+                        todo.append(i)
+                # The budget goes to a job's batches in page order, whichever thread is faster:
+                # batches start in order, so the ones before this are running and never wait.
+                with self._events.cond:
+                    # Bounded: a predecessor that crashed before its turn must not hang this.
+                    self._events.cond.wait_for(
+                        lambda: job.budget_turn >= turn, 4 * self.config.timeout_s + 1.0
+                    )
+                fits = self._reserve(len(todo))
+            finally:
+                with self._events.cond:
+                    job.budget_turn = turn + 1
+                    self._events.cond.notify_all()
+            reserved, over = fits * self.page_bytes, len(todo) - fits
+            self.counters.add(skipped_budget=over)
+            if fits < len(todo):
+                self._warn.warn("budget", "the namespace's share of the store is used up")
+            todo = todo[:fits]
+            items = [
+                (keys[i][k], encode_value(self.namespace, k, h, job.host_pool, slot))
+                for i in todo
+                for h, slot in (pages[i],)
+                for k in self._kinds
+            ]
+            stored = self._call(lambda c: c.set_new(items, self.config.ttl_s))
+            self._gathered(job)  # sent: the host pool's bytes are not read again
+            gathered = True
+            for j, i in enumerate(todo):
+                res = stored[j * n : (j + 1) * n]
+                errors = [r for r in res if isinstance(r, CommandError)]
+                if errors:
+                    self.counters.add(write_errors=1)
+                    self._warn.warn("write", f"{self.address.shown} refused a write: {errors[0]}")
+                    continue
+                new_bytes += sum(self._value_len[k] for k, r in enumerate(res) if r is True)
+                (written if any(r is True for r in res) else present).append(pages[i][0])
+        except StoreUnavailable:
+            done = len(written) + len(present) + over
+            self.counters.add(skipped_unavailable=len(pages) - done)
+        finally:
+            if not gathered:
+                self._gathered(job)
+            with self._budget_lock:
+                self._reserved -= reserved
+                self._used += new_bytes
+            self.counters.add(
+                pages_written=len(written), bytes_written=new_bytes, pages_present=len(present)
+            )
+            with self._events.cond:
+                job.written.update(written)
+                job.present.update(present)
+                job.pending -= 1
+                if job.pending == 0:
+                    self._finish_publish(job)
+
+    def _gathered(self, job: _Job) -> None:
+        with self._events.cond:
+            job.gathering -= 1
+            if job.gathering == 0:
+                self._events.released.append(job.ticket)
+
+    def _finish_publish(self, job: _Job) -> None:
+        """Post a finished publish (under the events' lock)."""
+        failed = tuple(h for h in job.order if h not in job.written and h not in job.present)
+        written = tuple(h for h in job.order if h in job.written)
+        present = tuple(h for h in job.order if h in job.present and h not in job.written)
+        done = PublishDone(job.ticket, written, present, failed, tuple(job.skipped))
+        self._events.published.append(done)
+        self._events.running -= 1
+        self._events.cond.notify_all()
+
+    # -- the budget ------------------------------------------------------------------------------
+
+    def _reserve(self, pages: int) -> int:
+        """How many of ``pages`` new pages fit in the budget (reserved for the caller)."""
+        with self._budget_lock:
+            over = self._used + self._reserved + pages * self.page_bytes > self.budget_bytes
+            due = self._counted_at is None or (
+                over and time.monotonic() - self._counted_at >= RECOUNT_S
+            )
+        if due:
+            self._recount()
+        with self._budget_lock:
+            room = (self.budget_bytes - self._used - self._reserved) // self.page_bytes
+            fits = max(0, min(pages, room))
+            self._reserved += fits * self.page_bytes
+            return fits
+
+    def _recount(self) -> None:
+        """Count this rank's keys in the store (SCAN; one thread at a time)."""
+        with self._recount_lock:
+            with self._budget_lock:  # another thread may have just counted
+                if self._counted_at is not None and time.monotonic() - self._counted_at < 1.0:
+                    return
+            pattern = rank_pattern(self.namespace, self.rank)
+
+            def count(client: RedisClient) -> int:
+                kinds = (key_kind(key) for key in client.scan(pattern))
+                return sum(self._value_len[k] for k in kinds if k is not None and k in self._kinds)
+
+            total = self._call(count)
+            with self._budget_lock:
+                self._used, self._counted_at = total, time.monotonic()
+            self.counters.add(recounts=1)
+
+    # -- lookup and fetch ------------------------------------------------------------------------
+
+    def lookup(self, page_hashes: Sequence[bytes]) -> int:
+        """How many of ``page_hashes``, from the first, have every payload in the store (0 when
+        the store is closed, unavailable or slower than twice its timeout)."""
+        self._check_args(page_hashes, None, ())
+        if self._closed or not page_hashes:
+            return 0
+        self.counters.add(lookups=1, lookup_pages=len(page_hashes))
+        if self.breaker.blocked():
+            self.counters.add(breaker_skips=1)
+            return 0
+        future = self._lookup_io.submit(self._lookup_leading, list(page_hashes))
+        try:
+            found = future.result(timeout=2 * self.config.timeout_s + 0.05)
+        except concurrent.futures.TimeoutError:
+            self._failed(StoreUnavailable("a lookup outlasted twice the timeout", timeout=True))
+            return 0
+        self.counters.add(lookup_found=found)
+        return found
+
+    def _lookup_leading(self, hashes: list[bytes]) -> int:
+        n, found = len(self._kinds), 0
+        for b in range(0, len(hashes), LOOKUP_PAGES):
+            batch = hashes[b : b + LOOKUP_PAGES]
+            try:
+                there = self._exists([k for h in batch for k in self._keys(h)])
+            except StoreUnavailable:
+                return found
+            for i in range(len(batch)):
+                if not all(x is True for x in there[i * n : (i + 1) * n]):
+                    return found
+                found += 1
+        return found
+
+    def fetch(
+        self,
+        ticket: int,
+        page_hashes: Sequence[bytes],
+        host_pool: HostPool,
+        host_slots: Sequence[int],
+    ) -> bool:
+        """Read pages into ``host_slots`` of ``host_pool``, verified, asynchronously; ``poll()``
+        reports ``FetchDone(ticket, ok)``. Returns False when refused (``max_tickets`` in
+        flight, or closed)."""
+        self._raise_crash()
+        if len(page_hashes) != len(host_slots):
+            raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
+        self._check_args(page_hashes, host_pool, host_slots)
+        if not self._take_ticket():
+            self.counters.add(fetches_refused=1)
+            return False
+        self.counters.add(fetches=1)
+        batches = self._batches(len(page_hashes))
+        job = _Job(
+            ticket, host_pool, list(page_hashes), len(batches), ok=[False] * len(page_hashes)
+        )
+        if not batches:
+            with self._events.cond:
+                self._finish_fetch(job)
+        for b in batches:
+            self._io.submit(self._guard, self._fetch_batch, job, b, [host_slots[i] for i in b])
+        return True
+
+    def _fetch_batch(self, job: _Job, pages: range, host_slots: list[int]) -> None:
+        n, hashes = len(self._kinds), [job.order[i] for i in pages]
+        keys = [self._keys(h) for h in hashes]
+        ok = [False] * len(hashes)
+        bad: list[bytes] = []
+        read = False
+        try:
+            flat = [k for ks in keys for k in ks]
+            values = self._call(lambda c: c.get(flat))
+            read = True
+            for i, h in enumerate(hashes):
+                got = [v for v in values[i * n : (i + 1) * n] if isinstance(v, bytes)]
+                if len(got) < n:
+                    continue  # absent (never written, evicted, expired) or refused: a miss
+                why = next(
+                    (
+                        f"payload {self.namespace.payloads[k].name}: {w}"
+                        for k, v in enumerate(got)
+                        if (w := check_value(self.namespace, k, h, v)) is not None
+                    ),
+                    None,
+                )
+                if why is not None:
+                    self.counters.add(verify_failures=1)
+                    self._warn.warn("verify", f"page {h.hex()[:16]}: {why}; a miss, deleted")
+                    bad += keys[i]
+                    continue
+                for k, v in enumerate(got):
+                    decode_value_into(self.namespace, k, v, job.host_pool, host_slots[i])
+                ok[i] = True
+            if bad:
+                self._call(lambda c: c.delete(bad))
+        except StoreUnavailable:
+            if not read:
+                self.counters.add(read_unavailable=len(hashes))
+        finally:
+            hits = sum(ok)
+            self.counters.add(
+                hits=hits, misses=len(hashes) - hits, bytes_read=hits * self.page_bytes
+            )
+            with self._events.cond:
+                for i, good in zip(pages, ok, strict=True):
+                    job.ok[i] = good
+                job.pending -= 1
+                if job.pending == 0:
+                    self._finish_fetch(job)
+
+    def _finish_fetch(self, job: _Job) -> None:
+        self._events.fetched.append(FetchDone(job.ticket, tuple(job.ok)))
+        self._events.running -= 1
+        self._events.cond.notify_all()
+
+    # -- progress and state ----------------------------------------------------------------------
+
+    def poll(self) -> RemotePoll:
+        """Completions since the last call (non-blocking). Raises only if a store thread hit a
+        bug; store faults are counted and reported in the results."""
+        self._raise_crash()
+        out = self._events.take()
+        with self._events.cond:
+            self._open_tickets -= len(out.published) + len(out.fetched)
+        return out
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every accepted publish and fetch finished; False if ``timeout_s`` ran out."""
+        ev = self._events
+        with ev.cond:
+            ev.cond.wait_for(lambda: ev.running == 0 or self._crash is not None, timeout_s)
+            return ev.running == 0
+
+    def stats(self) -> RemoteStats:
+        with self._budget_lock:
+            used = self._used
+        return RemoteStats(
+            url=self.address.shown,
+            kind=self.address.kind,
+            budget_bytes=self.budget_bytes,
+            used_bytes=used,
+            page_bytes=self.page_bytes,
+            breaker_open=self.breaker.is_open,
+            malloc_tuned=self.malloc_tuned,
+            counters=self.counters.snapshot(),
+        )
+
+    def check(self) -> None:
+        """The ticket and budget accounting's invariants; raises ``PoolInvariantError``."""
+        with self._events.cond:
+            running, open_tickets = self._events.running, self._open_tickets
+        if not 0 <= running <= open_tickets <= self.config.max_tickets:
+            raise PoolInvariantError(
+                f"shared tier: {running} jobs running, {open_tickets} tickets open "
+                f"(at most {self.config.max_tickets})"
+            )
+        with self._budget_lock:
+            if self._used < 0 or self._reserved < 0:
+                raise PoolInvariantError(
+                    f"shared tier budget: {self._used} bytes used, {self._reserved} reserved"
+                )
+        c = self.counters.snapshot()
+        if c["hits"] + c["misses"] > 0 and c["fetches"] == 0:
+            raise PoolInvariantError("shared tier: pages fetched without a fetch ticket")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish accepted work (up to ``timeout_s``; the breaker bounds each round trip), stop
+        the threads, close the connections. Idempotent."""
+        if self._closed:
+            return
+        if not self.flush(timeout_s):
+            log.warning("shared tier: closing with work still running after %s s", timeout_s)
+        with self._events.cond:
+            self._closed = True
+        self._io.shutdown(wait=True, cancel_futures=True)
+        self._lookup_io.shutdown(wait=True, cancel_futures=True)
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
