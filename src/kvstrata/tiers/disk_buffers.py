@@ -2,7 +2,8 @@
 
 A :class:`Staging` holds whole slots (header, payload, padding) for every payload of a page, at
 4 KiB-aligned addresses, as O_DIRECT needs; :class:`HostPages` names a host pool page's bytes in
-the order a slot's payload holds them (layer 0 first), as raw extents.
+the order a slot's payload holds them (layer 0 first), as raw extents; :func:`host_page_bytes`
+names them as tensor views (the shared tier's values).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import ctypes
 import queue
 import threading
 import weakref
+
+import torch
 
 from .disk_events import POLL_S
 from .disk_format import SLOT_HEADER_BYTES, aligned_buffer
@@ -122,3 +125,16 @@ def host_pages(host_pool: HostPool) -> HostPages:
         if found is None:
             found = _HOST_PAGES[host_pool] = HostPages(host_pool)
         return found
+
+
+def host_page_bytes(host_pool: HostPool, payload: str, host_slot: int) -> list[torch.Tensor]:
+    """The page's bytes of ``payload`` in layer order, as uint8 views into the host pool: one
+    view of all layers in ``page_first``, one per layer in ``layer_first``."""
+    if host_pool.host_layout == "page_first":
+        slab = host_slot // host_pool.slots_per_slab
+        row = host_slot - slab * host_pool.slots_per_slab
+        return [host_pool.slab_tensor(payload, 0, slab)[row].reshape(-1).view(torch.uint8)]
+    return [
+        host_pool.page(payload, layer, host_slot).reshape(-1).view(torch.uint8)
+        for layer in range(host_pool.layout.layers(payload))
+    ]

@@ -231,8 +231,8 @@ class PageReader:
                 results[b] = ("read_errors", "the disk index cannot be read")
             elif not still[b]:
                 results[b] = ("read_races", "the page was dropped while it was read")
-            elif checks[b] is not None:
-                results[b] = ("verify_failures", checks[b])
+            elif (why := checks[b]) is not None:
+                results[b] = ("verify_failures", why)
             else:
                 for k in range(len(self._slabs)):
                     buf.scatter(b, k, pages.extents(k, host_slots[b]))

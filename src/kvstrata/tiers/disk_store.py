@@ -441,9 +441,12 @@ class DiskStore:
                 return all(self.pool.writing_slot(h) is None for h in page_hashes)
 
         with ev.cond:
-            return bool(
-                ev.cond.wait_for(lambda: written() or self._spill.crash is not None, timeout_s)
-            ) and written()
+            return (
+                bool(
+                    ev.cond.wait_for(lambda: written() or self._spill.crash is not None, timeout_s)
+                )
+                and written()
+            )
 
     def _raise_crash(self) -> None:
         if not self._closed and self._spill.crash is not None:
