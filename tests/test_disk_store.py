@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from disk_rig import (
 from kvstrata.config import KVLayout, PayloadSpec
 from kvstrata.errors import ConfigError, DiskFormatError, DiskStoreError
 from kvstrata.tiers import disk_store as disk_store_module
-from kvstrata.tiers.disk_format import SlabFile, probe_direct_io
+from kvstrata.tiers.disk_format import probe_direct_io
 from kvstrata.tiers.disk_store import DiskConfig, DiskStore
 from kvstrata.tiers.host_pool import HOST_LAYOUTS, HostLayout
 from kvstrata.tiers.page_hash import Namespace
@@ -200,20 +199,6 @@ def test_gc_evicts_the_least_recently_used_first(tmp_path: Path) -> None:
         assert store.lookup(hot) == 5 and store.lookup(old) == 0
 
 
-def test_refused_when_too_many_tickets_are_open(tmp_path: Path) -> None:
-    pool = host_pool()
-    pages = hashes(2)
-    with open_store(tmp_path, max_tickets=2) as store:
-        assert store.spill(1, [(pages[0], 0, 1)], pool)
-        assert store.spill(2, [(pages[1], 1, 1)], pool)
-        assert store.flush(30)
-        assert not store.spill(3, [(pages[1], 1, 1)], pool)  # done, but not polled yet
-        assert not store.reload(4, pages, pool, [5, 6])
-        assert len(store.poll().spilled) == 2
-        assert store.spill(3, [(pages[1], 1, 1)], pool)
-        assert store.stats().spills_refused == 1
-
-
 def test_reload_runs_on_the_reader_thread(tmp_path: Path) -> None:
     pool, dst = host_pool(), host_pool()
     pages = hashes(4)
@@ -349,47 +334,3 @@ def test_close_is_idempotent_and_refuses_later_work(tmp_path: Path) -> None:
     with open_store(tmp_path, start="load") as again:
         assert again.lookup(pages) == 3
 
-
-def _spill_without_waiting(store: DiskStore, slow_s: float) -> tuple[object, ...]:
-    """Twelve spills of six new pages each, never waiting for one to finish, with touches of
-    earlier pages and reads in between, into a store that collects garbage often; the disk
-    takes ``slow_s`` per fdatasync. Returns what the store decided: its pages in LRU order
-    with their slots, and what GC took."""
-    pool, dst = host_pool(slots=72), host_pool()
-    order: list[bytes] = []
-    for t in range(12):
-        pages = hashes(6, seed=500 + t)
-        for i, h in enumerate(pages):
-            write_page(pool, 6 * t + i, h)
-        assert store.spill(t, [(h, 6 * t + i, 1) for i, h in enumerate(pages)], pool)
-        order += pages
-        if t >= 3:
-            store.touch(order[6 * (t - 3) : 6 * (t - 3) + 2])  # a few older pages stay warm
-        if t % 4 == 3:
-            assert store.flush(30)
-            store.read(order[-3:], dst, [0, 1, 2])
-    assert store.flush(30)
-    stats = store.stats()
-    return tuple(store.pool.live()), stats.gc_reclaimed, stats.pages_written
-
-
-def test_what_gc_takes_and_where_pages_go_do_not_depend_on_the_disks_speed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Batches, GC's victims, slots and the LRU order are decided when a spill is submitted,
-    in call order: a disk that syncs 20 ms slower gives the same store (it used to batch what
-    arrived within 5 ms of the last write and apply touches whenever the writer got to them)."""
-    cfg = {"pages": 40, "high_watermark": 0.9, "low_watermark": 0.6}
-    with open_store(tmp_path / "fast", **cfg) as store:
-        fast = _spill_without_waiting(store, 0.0)
-    real_sync = SlabFile.sync
-
-    def slow_sync(self: SlabFile) -> None:
-        time.sleep(0.02)
-        real_sync(self)
-
-    monkeypatch.setattr(SlabFile, "sync", slow_sync)
-    with open_store(tmp_path / "slow", **cfg) as store:
-        slow = _spill_without_waiting(store, 0.02)
-    assert fast[1] > 0  # GC ran
-    assert slow == fast

@@ -1,8 +1,8 @@
 """What the disk tier reports: counters, per-ticket results, and the events ``poll()`` hands out.
 
 Every store thread bumps :class:`Counters` and posts to one :class:`Events`; ``DiskStore.poll()``
-drains it. Everything here is bounded: results exist only for tickets in flight (at most
-``max_tickets``), and dropped pages beyond :data:`DROPPED_CAP` are only counted.
+drains it. Results wait for ``poll()`` (one small record a ticket; at most ``max_tickets`` jobs
+run at once), and dropped pages beyond :data:`DROPPED_CAP` are only counted.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class RateLimitedLog:
 
 COUNTERS = (
     "spills",  # spill tickets accepted
-    "spills_refused",  # spill tickets refused (too many in flight)
+    "spills_refused",  # spill tickets refused (closed, or the disk stopped answering)
     "pages_written",  # pages made durable by a write
     "bytes_written",
     "pages_present",  # pages a spill found already on disk

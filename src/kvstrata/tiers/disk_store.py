@@ -313,7 +313,7 @@ class DiskStore:
             read_threads=cfg.read_threads,
             io_timeout_s=cfg.io_timeout_s,
         )
-        self._reloads: queue.Queue[_ReloadJob] = queue.Queue(maxsize=cfg.max_tickets)
+        self._reloads: queue.Queue[_ReloadJob] = queue.Queue()  # bounded: max_tickets
         self._reload_thread = threading.Thread(
             target=self._spill._guard,
             args=(self._reload_loop,),
@@ -348,11 +348,28 @@ class DiskStore:
             )
 
     def _take_ticket(self, reload: bool) -> bool:
-        with self._events.cond:
-            if self._closed or self._open_tickets >= self.config.max_tickets:
+        """Admit one more job. With ``max_tickets`` jobs running, wait for one to finish
+        (back-pressure: the caller waits for a disk that falls behind, so what runs never
+        depends on how fast it drains); refuse only when closed, after a thread crashed, or
+        when none finished within ``io_timeout_s`` (a disk that stopped answering: a fault)."""
+        ev = self._events
+        with ev.cond:
+            ev.cond.wait_for(
+                lambda: (
+                    self._closed
+                    or self._spill.crash is not None
+                    or ev.running < self.config.max_tickets
+                ),
+                self.config.io_timeout_s,
+            )
+            if (
+                self._closed
+                or self._spill.crash is not None
+                or ev.running >= self.config.max_tickets
+            ):
                 return False
             self._open_tickets += 1
-            self._events.start(reload)
+            ev.start(reload)
             return True
 
     def spill(
@@ -360,8 +377,9 @@ class DiskStore:
     ) -> bool:
         """Spill ``(page hash, host slot, hits)`` pages in this order, asynchronously.
 
-        Returns False when refused (``max_tickets`` in flight, or closed): nothing was queued and
-        the host slots are the caller's again. Otherwise ``poll()`` reports the ticket twice:
+        Waits while ``max_tickets`` jobs are running; returns False when refused (closed, or
+        no job finished within ``io_timeout_s``): nothing was queued and the host slots are the
+        caller's again. Otherwise ``poll()`` reports the ticket twice:
         in ``released`` once the host slots are copied (keep them pinned until then), and in
         ``spilled`` when every page is durable, failed, or skipped (hits < ``min_hits``).
         """
@@ -512,7 +530,7 @@ class DiskStore:
         host_slots: Sequence[int],
     ) -> bool:
         """:meth:`read` on the reader thread; ``poll()`` reports ``ReloadDone(ticket, ok)``.
-        Returns False when refused (``max_tickets`` in flight, or closed)."""
+        Waits and refuses as :meth:`spill` does."""
         self._raise_crash()
         if len(page_hashes) != len(host_slots):
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
