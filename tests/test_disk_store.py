@@ -333,4 +333,3 @@ def test_close_is_idempotent_and_refuses_later_work(tmp_path: Path) -> None:
     assert store.read(pages, pool, [0, 1, 2]) == [False] * 3
     with open_store(tmp_path, start="load") as again:
         assert again.lookup(pages) == 3
-
