@@ -29,7 +29,7 @@ pages in after a crash, never what a read returns, and keeps accesses from rewri
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .disk_events import Counters, RateLimitedLog
@@ -126,26 +126,6 @@ class SpillPlanner:
     def would_collect(self, new_pages: int) -> bool:
         """Whether writing ``new_pages`` more pages may make a plan collect garbage."""
         return self.pool.num_used + new_pages > self.high_slots
-
-    def leading(
-        self, page_hashes: Sequence[bytes], on_disk: Callable[[Sequence[bytes]], int]
-    ) -> int:
-        """How many of ``page_hashes``, from the first, are there as far as the plans go: being
-        written, or on disk (``on_disk``: the index's leading count, which must skip GC's
-        victims, ``present``)."""
-        n = 0
-        while n < len(page_hashes):
-            if self.pool.writing_slot(page_hashes[n]) is not None:
-                n += 1
-                continue
-            run = n
-            while run < len(page_hashes) and self.pool.writing_slot(page_hashes[run]) is None:
-                run += 1
-            found = on_disk(page_hashes[n:run])
-            n += found
-            if n < run:
-                return n
-        return n
 
     def touch(self, page_hashes: Iterable[bytes]) -> None:
         """Accesses: pages among ``page_hashes`` that are on disk or being written become the

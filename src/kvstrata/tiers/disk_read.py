@@ -10,9 +10,12 @@ slot. Up to ``2 * read_threads`` runs are in flight, so the disk always has the 
 queued while earlier runs are checked and copied, all off the caller's thread. An I/O error in a
 run reads its slots one at a time, so that only the pages that fail are lost.
 
-A page whose slot fails its check is looked up again first: when its entry is gone or names
-another slot, GC dropped it and reused the slot during the read, which is counted as a
-``read_race`` without a warning; only a slot the index still vouches for is a verify failure.
+Where each page is comes from the store's slot pool (``locate``: no index read; a read-only
+:class:`~kvstrata.tiers.disk_view.DiskView` asks the index instead). A page whose entry is gone
+or names another slot after the read was dropped by GC meanwhile (the plan takes it from the
+pool before its entries go), which is counted as a ``read_race`` without a warning, unless the
+pool still holds it in that slot: then the index lost it, and it is a verify failure, dropped.
+A slot the index still vouches for that fails its check is a verify failure too.
 
 Why the index check after the read makes a verified page exact: GC deletes a page's entries
 before it frees the slot, and a slot is rewritten only once free; an entry that still names the
@@ -57,10 +60,14 @@ class PageReader:
         read_threads: int,
         io_timeout_s: float,
         wait_written: Callable[[Sequence[bytes]], bool] | None = None,
+        locate: Callable[[Sequence[bytes]], list[int | None]] | None = None,
     ) -> None:
         self.namespace, self.rank, self._slabs, self._index = namespace, rank, slabs, index
         self.counters, self._warn, self._drop = counters, warn, drop
         self._wait_written = wait_written
+        #: Where each page is, as far as the store knows (its slot pool); None: ask the index.
+        #: Either way the index confirms every slot after it is read (module docstring).
+        self._locate = locate
         self.read_threads, self.io_timeout_s = read_threads, io_timeout_s
         self.num_slots = slabs[0].geometry.num_slots
         self.page_bytes = sum(s.geometry.slot_bytes for s in slabs)
@@ -121,18 +128,21 @@ class PageReader:
         # A page the writer has not published yet is read once it has (or failed: a miss).
         if self._wait_written is not None and not self._wait_written(hashes):
             self._warn.warn("read", "a read waited too long for pages being written")
-        slots: list[int] = []
+        found: list[int | None] = []
         try:
-            with self._index.read() as txn:
-                for h in hashes:
-                    entry = self._index.page(txn, ns, self.rank, h, num_payloads)
-                    if entry is None:
-                        break
-                    slots.append(entry.slot)
+            if self._locate is not None:
+                found = self._locate(hashes)
+            else:
+                with self._index.read() as txn:
+                    found = self._index.slots(txn, ns, self.rank, hashes, num_payloads)
         except lmdb.Error as err:  # a damaged index: misses, counted, never a crash
             self.counters.add(index_errors=1)
             self._warn.warn("index", f"cannot read the disk index: {err}")
-            slots = []
+        slots: list[int] = []
+        for slot in found:
+            if slot is None:
+                break
+            slots.append(slot)
         self.counters.add(read_misses=len(hashes) - len(slots))
         bad = next((i for i, s in enumerate(slots) if not 0 <= s < self.num_slots), None)
         if bad is not None:  # an entry past the slab (another process's, or corrupt): a miss
@@ -230,7 +240,12 @@ class PageReader:
             if still is None:
                 results[b] = ("read_errors", "the disk index cannot be read")
             elif not still[b]:
-                results[b] = ("read_races", "the page was dropped while it was read")
+                if self._locate is not None and self._locate([hashes[b]]) == [slots[b]]:
+                    # The store still holds it there but its entry is gone: damage, not GC.
+                    why = "the index no longer names the slot the store holds it in"
+                    results[b] = ("verify_failures", why)
+                else:
+                    results[b] = ("read_races", "the page was dropped while it was read")
             elif (why := checks[b]) is not None:
                 results[b] = ("verify_failures", why)
             else:
@@ -270,11 +285,11 @@ class PageReader:
         ns, num_payloads = self.namespace.digest, len(self._slabs)
         try:
             with self._index.read() as txn:
-                entries = [self._index.page(txn, ns, self.rank, h, num_payloads) for h in hashes]
+                named = self._index.slots(txn, ns, self.rank, hashes, num_payloads)
         except lmdb.Error:
             self.counters.add(index_errors=1)
             return None
-        return [e is not None and e.slot == s for e, s in zip(entries, slots, strict=True)]
+        return [n == s for n, s in zip(named, slots, strict=True)]
 
     def _failed_read(self, page_hash: bytes, slot: int, counter: str, why: str) -> None:
         """Count a page that could not be read; drop it unless GC did (a race, not a fault)."""

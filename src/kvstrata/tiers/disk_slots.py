@@ -16,6 +16,7 @@ being written is never a victim. Callers hold the store's state lock.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..errors import PoolInvariantError
@@ -66,6 +67,14 @@ class SlotPool:
         """The slot a page is being written to (None when it is not)."""
         found = self._pages.get(page_hash)
         return found.slot if found is not None and not found.live else None
+
+    def leading(self, page_hashes: Sequence[bytes]) -> int:
+        """How many of ``page_hashes``, from the first, are live or being written."""
+        pages = self._pages
+        for i, h in enumerate(page_hashes):
+            if h not in pages:
+                return i
+        return len(page_hashes)
 
     def last_access(self, page_hash: bytes) -> int:
         return self._pages[page_hash].last_access

@@ -310,6 +310,7 @@ class DiskStore:
             self._warn,
             drop=self._spill.drop,
             wait_written=lambda hashes: self._wait_written(hashes, cfg.io_timeout_s),
+            locate=self._locate,
             read_threads=cfg.read_threads,
             io_timeout_s=cfg.io_timeout_s,
         )
@@ -473,27 +474,22 @@ class DiskStore:
     # -- lookup and read -------------------------------------------------------------------------
 
     def lookup(self, page_hashes: Sequence[bytes]) -> int:
-        """How many of ``page_hashes``, from the first, have every payload on disk (index only;
-        0 once closed)."""
+        """How many of ``page_hashes``, from the first, have every payload on disk as far as the
+        plans go (0 once closed): live pages and those being written count, GC's victims do
+        not, whether or not the writer got there yet. The slot pool answers: it holds exactly
+        the index's pages (rebuilt from it at start, changed only after the index commits) plus
+        the plans, so no slab or index I/O. A read still confirms each page with the index."""
         self._check_hashes(page_hashes)
         if self._closed or self._index is None:
             return 0
-        try:  # under the lock: what the plans say, whether or not the writer got there yet
-            with self._state_lock:
-                return self._planner.leading(
-                    page_hashes,
-                    lambda hashes: self._index.leading(  # type: ignore[union-attr]
-                        self.namespace.digest,
-                        self.rank,
-                        hashes,
-                        len(self._slabs),
-                        keep=self._planner.present,
-                    ),
-                )
-        except lmdb.Error as err:  # a damaged index: a miss, counted, never a crash
-            self.counters.add(index_errors=1)
-            self._warn.warn("index", f"cannot read the disk index: {err}")
-            return 0
+        with self._state_lock:
+            return self.pool.leading(page_hashes)
+
+    def _locate(self, page_hashes: Sequence[bytes]) -> list[int | None]:
+        """The reader's look at the slot pool: each live page's slot (None where absent or
+        still being written)."""
+        with self._state_lock:
+            return [self.pool.slot_of(h) for h in page_hashes]
 
     def touch(self, page_hashes: Sequence[bytes]) -> None:
         """Mark pages recently used (GC takes the least recently used first), at once: the
