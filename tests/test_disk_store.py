@@ -308,12 +308,12 @@ def test_direct_io_mode_choice(
 def test_a_bug_in_a_thread_is_raised_by_poll(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvstrata.tiers import disk_spill
+    from kvstrata.tiers import disk_gather
 
     def broken(*args: object) -> object:
         raise ValueError("gather bug")
 
-    monkeypatch.setattr(disk_spill, "host_pages", broken)
+    monkeypatch.setattr(disk_gather, "host_pages", broken)
     store = open_store(tmp_path)
     pool = host_pool()
     assert store.spill(1, [(hashes(1)[0], 0, 1)], pool)

@@ -1,7 +1,8 @@
 """The spill pipeline of the disk tier: host pages -> staging -> slab slots -> index.
 
 A job arrives already planned (``disk_plan.py``: which pages to write, into which slots, in
-which batches, and GC's victims). Two threads carry plans out, in submission order (FIFO)::
+which batches, and GC's victims). Two threads carry plans out, in submission order (FIFO): the
+gather thread (``disk_gather.py``) and the writer thread (here)::
 
     jobs and drops (FIFO) ─▶ GATHER thread
         per job: announce it, then copy each page to write from the host pool into an aligned
@@ -31,47 +32,17 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import lmdb
 
-from .disk_buffers import Staging, host_pages
+from .disk_buffers import Staging
 from .disk_events import POLL_S, Counters, Events, RateLimitedLog, log
-from .disk_format import MAX_RUN_SLOTS, SLOT_HEADER_BYTES, SlabFile, SlotHeader, crc32c
+from .disk_format import MAX_RUN_SLOTS, SlabFile
+from .disk_gather import Begin, Chunk, Commit, Drop, Gatherer, Staged
 from .disk_index import DiskIndex
 from .disk_plan import SpillJob, SpillPlanner
 from .disk_slots import SlotPool
 from .page_hash import Namespace
-
-
-class _Begin(NamedTuple):
-    job: SpillJob
-
-
-class _Staged(NamedTuple):
-    job: SpillJob
-    page_hash: bytes
-    slot: int  # -1: a page an earlier write brings to disk
-    block: int | None  # its staging block; None: not copied (the store is closing)
-
-
-class _Chunk(NamedTuple):
-    """Staged pages of one batch, handed to the writer together."""
-
-    pages: list[_Staged]
-
-
-#: Bytes of staged pages the gather thread hands on at a time (fewer, larger writer steps).
-CHUNK_BYTES = 8 << 20
-
-
-class _Commit(NamedTuple):
-    job: SpillJob
-
-
-class _Drop(NamedTuple):
-    page_hash: bytes
-    slot: int
 
 
 @dataclass(eq=False)
@@ -79,10 +50,10 @@ class _Batch:
     """Pages written since the last sync: durable together at the next commit."""
 
     # (a run of pages in consecutive slots, its write in flight: the run's failed positions)
-    written: list[tuple[list[_Staged], concurrent.futures.Future[list[int]]]] = field(
+    written: list[tuple[list[Staged], concurrent.futures.Future[list[int]]]] = field(
         default_factory=list
     )
-    dupes: list[_Staged] = field(default_factory=list)
+    dupes: list[Staged] = field(default_factory=list)
 
 
 class SpillPipeline:
@@ -109,11 +80,9 @@ class SpillPipeline:
         self.events, self.staging, self.warn = events, staging, warn
         self.num_payloads = len(slabs)
         self.payload_len = [namespace.payload_bytes(k) for k in range(self.num_payloads)]
-        self.jobs: queue.Queue[SpillJob | _Drop] = queue.Queue()  # bounded by the tickets
-        # bounded by the staging blocks (a batch holds at most half of them)
-        self.staged: queue.Queue[_Begin | _Chunk | _Commit | _Drop] = queue.Queue()
-        self.chunk_pages = max(1, CHUNK_BYTES // staging.block_bytes)
         self.stop = threading.Event()
+        self.gather = Gatherer(namespace, staging, pool, planner, state_lock, events, self.stop)
+        self.jobs, self.staged = self.gather.jobs, self.gather.staged
         #: Held by the writer for each step it takes; ``DiskStore.check`` takes it to audit
         #: the slabs between two steps.
         self.io_lock = threading.Lock()
@@ -129,7 +98,7 @@ class SpillPipeline:
         self.threads = [
             threading.Thread(
                 target=self._guard,
-                args=(self._gather_loop,),
+                args=(self.gather.loop,),
                 name="kvstrata-l3-gather",
                 daemon=True,
             ),
@@ -163,80 +132,7 @@ class SpillPipeline:
 
     def drop(self, page_hash: bytes, slot: int) -> None:
         """Delete a page that a read found bad at ``slot`` (in order with the jobs)."""
-        self.jobs.put_nowait(_Drop(page_hash, slot))
-
-    # -- gather thread ---------------------------------------------------------------------------
-
-    def _gather_loop(self) -> None:
-        while not self.stop.is_set():
-            try:
-                job = self.jobs.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-            if isinstance(job, _Drop):
-                self.staged.put_nowait(job)
-            else:
-                self._gather(job)
-        self._fail_queued()
-
-    def _fail_queued(self) -> None:
-        """After stop: jobs never announced end as failed, their slots free again and their
-        victims live again (nothing was written or deleted for them); drops still go ahead."""
-        left: list[SpillJob] = []
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(job, _Drop):  # still carried out: the writer outlives this thread
-                self.staged.put_nowait(job)
-            else:
-                left.append(job)
-        with self.state_lock:
-            for job in left:
-                for batch in job.batches:
-                    for h, _, slot in batch:
-                        if slot >= 0:
-                            self.pool.release(h)
-            for job in reversed(left):
-                self.planner.victims_kept(job)
-        for job in left:
-            with self.events.cond:
-                job.pending = 0
-                job.failed.extend(h for batch in job.batches for h, _, _ in batch)
-            self.events.release(job)
-
-    def _gather(self, job: SpillJob) -> None:
-        self.staged.put_nowait(_Begin(job))
-        writes = sum(1 for batch in job.batches for *_, slot in batch if slot >= 0)
-        pages = host_pages(job.host_pool) if writes else None
-        copied = 0
-        for batch in job.batches:
-            chunk: list[_Staged] = []
-            for h, host_slot, slot in batch:
-                if slot < 0:
-                    chunk.append(_Staged(job, h, -1, None))
-                    continue
-                block = None if self.stop.is_set() else self.staging.acquire(self.stop)
-                if block is not None:
-                    assert pages is not None
-                    for kind in range(self.num_payloads):
-                        self.staging.gather(block, kind, pages.extents(kind, host_slot))
-                        view = self.staging.slot(block, kind)
-                        body = view[SLOT_HEADER_BYTES : SLOT_HEADER_BYTES + self.payload_len[kind]]
-                        SlotHeader(kind, h, self.payload_len[kind], crc32c(body)).pack_into(view)
-                copied += 1
-                if copied == writes:
-                    self.events.release(job)  # before the last page reaches the writer
-                chunk.append(_Staged(job, h, slot, block))
-                if len(chunk) >= self.chunk_pages:
-                    self.staged.put_nowait(_Chunk(chunk))
-                    chunk = []
-            if chunk:
-                self.staged.put_nowait(_Chunk(chunk))
-            self.staged.put_nowait(_Commit(job))
-        if not job.released:
-            self.events.release(job)
+        self.jobs.put_nowait(Drop(page_hash, slot))
 
     # -- writer thread ---------------------------------------------------------------------------
 
@@ -250,11 +146,11 @@ class SpillPipeline:
                     return
                 continue
             with self.io_lock:
-                if isinstance(item, _Begin):
+                if isinstance(item, Begin):
                     self._delete_victims(item.job)
-                elif isinstance(item, _Chunk):
+                elif isinstance(item, Chunk):
                     self._write_chunk(item.pages, batch)
-                elif isinstance(item, _Commit):
+                elif isinstance(item, Commit):
                     self._commit(batch)
                     batch = _Batch()
                 else:
@@ -279,7 +175,7 @@ class SpillPipeline:
         self.counters.add(gc_reclaimed=len(hashes))
         self.events.drop(hashes, self.counters)
 
-    def _drop(self, item: _Drop) -> None:
+    def _drop(self, item: Drop) -> None:
         """A page a read found bad: its entries naming that slot go; then the slot is free."""
         h, slot = item
         try:
@@ -299,7 +195,7 @@ class SpillPipeline:
         if where in (slot, None):
             self.events.drop([h], self.counters)
 
-    def _fail(self, item: _Staged) -> None:
+    def _fail(self, item: Staged) -> None:
         """A page not written: its slot is free again (or its old page's again, see unsafe)."""
         with self.state_lock:
             self.pool.release(item.page_hash)
@@ -308,16 +204,16 @@ class SpillPipeline:
                 self.pool.take_back(old[0], item.slot, old[1])
         self._finish([item], False)
 
-    def _finish(self, items: list[_Staged], ok: bool) -> None:
+    def _finish(self, items: list[Staged], ok: bool) -> None:
         for item in items:
             if item.block is not None:
                 self.staging.release(item.block)
         self.events.pages_done([(item.job, item.page_hash) for item in items], ok)
 
-    def _write_chunk(self, pages: list[_Staged], batch: _Batch) -> None:
+    def _write_chunk(self, pages: list[Staged], batch: _Batch) -> None:
         """Start writing staged pages into their planned slots, a run of consecutive slots at a
         time; they become durable when their batch commits."""
-        run: list[_Staged] = []
+        run: list[Staged] = []
         for item in pages:
             if item.slot < 0:
                 batch.dupes.append(item)
@@ -334,7 +230,7 @@ class SpillPipeline:
         if run:
             batch.written.append((run, self._writers.submit(self._write_run, run)))
 
-    def _write_run(self, run: list[_Staged]) -> list[int]:
+    def _write_run(self, run: list[Staged]) -> list[int]:
         """Write a run of pages in consecutive slots: one vectored write per payload slab. On
         an error each slot is written alone, so that only the pages that fail are lost; returns
         their positions in the run."""
@@ -355,7 +251,7 @@ class SpillPipeline:
     def _commit(self, batch: _Batch) -> None:
         """Wait for the batch's writes, fdatasync every slab, then publish the pages written in
         one index commit."""
-        written: list[_Staged] = []
+        written: list[Staged] = []
         for run, future in batch.written:
             try:
                 failed = set(future.result(timeout=self.io_timeout_s))
@@ -390,7 +286,7 @@ class SpillPipeline:
         for item, found in zip(batch.dupes, durable, strict=True):  # as durable as the copy
             self._finish([item], found)
 
-    def _publish(self, written: list[_Staged]) -> bool:
+    def _publish(self, written: list[Staged]) -> bool:
         """Commit the index entries of synced pages (one durable commit), then make them live."""
         with self.state_lock:
             pages = [

@@ -54,6 +54,8 @@ class DiskStatsView:
     reloads: int = 0
     reloaded_pages: int = 0
     reload_misses: int = 0  # pages the index had but that did not read back verified
+    reloads_refused: int = 0  # reloads the store refused (closed, or its disk stopped answering)
+    reload_refused_pages: int = 0  # their pages (not misses: they were never read)
     hit_tokens: int = 0  # tokens requests got from disk (then loaded back like host hits)
 
 
@@ -75,6 +77,7 @@ class _Reload:
     rid: int
     first_hash: bytes  # the content address of its first page
     ok: tuple[bool, ...] = ()
+    refused: bool = False  # the store refused it: nothing was read
 
 
 @dataclass
@@ -202,6 +205,7 @@ class DiskTier:
             key.prefix((first + count) * P), cached_len, host_pages, parent, rid, hashes[first]
         )
         if not self.store.reload(ticket, mine, self.host_pool, host_pages[own] // cp):
+            self._reloads[ticket].refused = True
             self.ledger.finish(ticket, ok=False, error="the disk store refused the reload")
         return ticket
 
@@ -258,8 +262,12 @@ class DiskTier:
             keep = rec.host_pages.size if ok else 0
         else:
             keep = rec.host_pages.size if verified >= own.size else int(own[verified])
-        self.stats.reloads += 1
-        self.stats.reload_misses += rec.host_pages.size - keep
+        if rec.refused:
+            self.stats.reloads_refused += 1
+            self.stats.reload_refused_pages += rec.host_pages.size - keep
+        else:
+            self.stats.reloads += 1
+            self.stats.reload_misses += rec.host_pages.size - keep
         # The tree must still hold exactly the cached part (nothing lost, nothing added since).
         if keep == 0 or tree.match_length(rec.key) != rec.cached_len:
             self.host_allocator.free(rec.host_pages)
