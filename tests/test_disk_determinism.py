@@ -240,3 +240,27 @@ def test_the_engine_gives_the_same_counts_on_a_slow_disk(
     assert slow == fast
     assert fast["hit_tokens"][Tier.L3] > 0  # type: ignore[index]
     assert fast["store"][2] > 0 and fast["store"][3] == 0  # type: ignore[index]
+
+
+def test_a_refused_reload_is_counted_apart_from_misses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reload the store refuses (a disk that stopped answering) was never read: it counts as
+    refused, with its pages, not as reload misses (which are pages that did not read back
+    verified); the request computes instead."""
+    requests = builtin(1000, seed=3, n_requests=60)
+    monkeypatch.setattr(DiskStore, "reload", lambda self, *args: False)
+    engine = Engine(
+        SyntheticCompute(8, 1000),
+        config(tmp_path, pool_tokens=320, l2_tokens=320, l3_gib=0.0005),
+        model_id="none:8",
+    )
+    try:
+        engine.run(requests)
+    finally:
+        engine.close()
+    assert engine.cache.disk is not None
+    stats = engine.cache.disk.stats
+    assert stats.reloads_refused > 0 and stats.reload_refused_pages >= stats.reloads_refused
+    assert stats.reloads == 0 and stats.reload_misses == 0
+    assert engine.hit_tokens[Tier.L3] == 0
