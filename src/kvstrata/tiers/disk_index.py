@@ -28,7 +28,7 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -293,20 +293,11 @@ class DiskIndex:
             out.append(slot)
         return out
 
-    def leading(
-        self,
-        ns: bytes,
-        rank: int,
-        hashes: Sequence[bytes],
-        num_payloads: int,
-        keep: Callable[[bytes], bool] | None = None,
-    ) -> int:
-        """How many of ``hashes``, from the first, are present (and pass ``keep``)."""
+    def leading(self, ns: bytes, rank: int, hashes: Sequence[bytes], num_payloads: int) -> int:
+        """How many of ``hashes``, from the first, are present."""
         with self.read() as txn:
             for i, h in enumerate(hashes):
-                if self.page(txn, ns, rank, h, num_payloads) is None or (
-                    keep is not None and not keep(h)
-                ):
+                if self.page(txn, ns, rank, h, num_payloads) is None:
                     return i
         return len(hashes)
 
