@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kvstrata.config import KVLayout, PayloadSpec
+from kvstrata.tiers.disk_format import SlabFile
 from kvstrata.tiers.disk_store import DiskConfig, DiskPoll, DiskStore
 from kvstrata.tiers.host_pool import HostLayout, HostPool
 from kvstrata.tiers.page_hash import Namespace, page_hashes
@@ -110,3 +111,23 @@ def spill_all(
     assert store.spill(ticket, [(h, slot, hits) for slot, h in enumerate(page_hashes_)], pool)
     assert store.flush(30)
     return store.poll()
+
+
+def patch_slot_io(monkeypatch: Any, op: str, before: Callable[[SlabFile, int], None]) -> None:
+    """Call ``before(slab, slot)`` ahead of every slot ``op`` ("read" or "write") of every slab,
+    those of a vectored call slot by slot included (fault injection: ``before`` may raise
+    OSError, which fails the whole vectored call, as a device would, and then that slot alone
+    when the store retries slot by slot)."""
+    one, run = getattr(SlabFile, f"{op}_slot"), getattr(SlabFile, f"{op}_slots")
+
+    def single(self: SlabFile, slot: int, buf: memoryview) -> Any:
+        before(self, slot)
+        return one(self, slot, buf)
+
+    def vectored(self: SlabFile, first: int, bufs: list[memoryview]) -> Any:
+        for slot in range(first, first + len(bufs)):
+            before(self, slot)
+        return run(self, first, bufs)
+
+    monkeypatch.setattr(SlabFile, f"{op}_slot", single)
+    monkeypatch.setattr(SlabFile, f"{op}_slots", vectored)

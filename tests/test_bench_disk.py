@@ -24,6 +24,8 @@ def test_a_small_run_round_trips_and_reports(
     assert doc["page_bytes"] == page_bytes and doc["pages"] == int(0.004 * 2**30) // page_bytes
     assert len(doc["rounds_gbps"]["spill"]) == 2 and doc["spill_gbps"] > 0
     assert doc["write_errors"] == doc["verify_failures"] == 0
+    # Bytes sent to storage while spilling: every slot at least once (None without /proc/self/io).
+    assert doc["written_per_slot_byte"] is None or doc["written_per_slot_byte"] >= 0.99
     assert any(line.startswith("reload") for line in lines)
     assert list(tmp_path.iterdir()) == []  # the scratch directory is gone
 

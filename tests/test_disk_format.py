@@ -108,15 +108,22 @@ def test_slab_file_writes_and_reads_slots(tmp_path: Path, direct: bool) -> None:
 
 def test_slot_pool_states_and_lru() -> None:
     pool = SlotPool(4)
-    a = pool.alloc()
-    b = pool.alloc()
+    a = pool.alloc(b"a")
+    b = pool.alloc(b"b")
     assert (a, b) == (0, 1) and pool.num_used == 2 and pool.num_live == 0
-    pool.publish(b"a", a)
-    pool.publish(b"b", b)
-    pool.release(pool.alloc() or 0)
+    assert pool.writing_slot(b"a") == 0 and pool.slot_of(b"a") is None
+    assert pool.coldest(2) == []  # a page being written is never GC's victim
+    pool.publish(b"b")
+    pool.publish(b"a")
+    assert pool.coldest(2) == [(b"a", 0), (b"b", 1)]  # in the order they were planned
+    pool.alloc(b"c")
+    assert pool.release(b"c") == 2
     pool.touch(b"a")
     assert pool.coldest(1) == [(b"b", 1)] and pool.slot_of(b"a") == 0
     assert pool.remove(b"b") == 1 and pool.num_free == 3
+    pool.check()
+    assert pool.take_back(b"b", 1, 1) and pool.coldest(2) == [(b"b", 1), (b"a", 0)]
+    assert not pool.take_back(b"z", 1, 1)  # slot 1 is live again
     pool.check()
     pool._free.append(0)  # the slot live page a holds, also on the free list
     with pytest.raises(PoolInvariantError, match="handed out twice"):
@@ -126,32 +133,38 @@ def test_slot_pool_states_and_lru() -> None:
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from("aptrx"), st.integers(0, 9)), max_size=80))
 def test_slot_pool_against_a_reference(ops: list[tuple[str, int]]) -> None:
-    """Random alloc / publish / touch / remove / release against a list-based LRU."""
-    pool, writing, lru = SlotPool(5), [], []  # lru: hashes, coldest first
+    """Random alloc / publish / touch / remove / release against a list-based LRU: a page takes
+    its place when allocated; only live pages are touched or picked."""
+    pool = SlotPool(5)
+    order: list[bytes] = []  # every used slot's page, least recently used first
+    live: set[bytes] = set()
     slots: dict[bytes, int] = {}
     for op, n in ops:
         h = bytes([n])
-        if op == "a":
-            slot = pool.alloc()
-            assert (slot is None) == (len(writing) + len(lru) == 5)
+        if op == "a" and h not in slots:
+            slot = pool.alloc(h)
+            assert (slot is None) == (len(slots) == 5)
             if slot is not None:
-                writing.append(slot)
-        elif op == "p" and writing and h not in slots:
-            slots[h] = writing.pop()
-            pool.publish(h, slots[h])
-            lru.append(h)
-        elif op == "t" and h in slots:
+                slots[h] = slot
+                order.append(h)
+        elif op == "p" and h in slots and h not in live:
+            pool.publish(h)
+            live.add(h)
+        elif op == "t" and h in live:
             pool.touch(h)
-            lru.remove(h)
-            lru.append(h)
-        elif op == "r" and h in slots:
+            order.remove(h)
+            order.append(h)
+        elif op == "r" and h in live:
             assert pool.remove(h) == slots.pop(h)
-            lru.remove(h)
-        elif op == "x" and writing:
-            pool.release(writing.pop())
+            live.remove(h)
+            order.remove(h)
+        elif op == "x" and h in slots and h not in live:
+            assert pool.release(h) == slots.pop(h)
+            order.remove(h)
         pool.check()
-        assert [h for h, _ in pool.coldest(10)] == lru
+        assert [h for h, _ in pool.coldest(10)] == [h for h in order if h in live]
+        assert pool.num_writing == len(slots) - len(live)
     pool2 = SlotPool(5)
     pool2.rebuild(pool.live())
     pool2.check()
-    assert pool2.coldest(10) == pool.coldest(10) and pool2.num_used == len(lru)
+    assert pool2.coldest(10) == pool.coldest(10) and pool2.num_used == len(live)

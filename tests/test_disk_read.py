@@ -1,19 +1,24 @@
 """Verified reads of the disk tier with more pages than reads in flight: when one page fails,
-the reads already in flight still land, each reported against its own page."""
+the reads already in flight still land, each reported against its own page. A read is made of
+runs of consecutive slots; with one page a run, six runs are in flight at once."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from disk_rig import expected_page, hashes, host_pool, open_store, read_page, spill_all
 
-from kvstrata.tiers.disk_format import SLOT_HEADER_BYTES
+from kvstrata.tiers import disk_read
+from kvstrata.tiers.disk_format import ALIGN, SLOT_HEADER_BYTES
 
 
+@pytest.mark.parametrize("run_pages", [1, 12])
 def test_a_failed_page_in_a_long_read_reports_every_other_page_as_its_own(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_pages: int
 ) -> None:
+    monkeypatch.setattr(disk_read, "RUN_BYTES", run_pages * ALIGN)  # this layout's slots: 4 KiB
     pool, dst = host_pool(), host_pool()
     pages = hashes(12)
     with open_store(tmp_path / "l3", read_threads=3) as store:  # 6 reads in flight
@@ -36,5 +41,7 @@ def test_a_failed_page_in_a_long_read_reports_every_other_page_as_its_own(
         for i, good in enumerate(ok):  # True means: that host slot holds that page
             want = expected_page(dst, pages[i]) if good else None
             assert not good or read_page(dst, targets[i]) == want, f"page {i}"
-        # The pages after the last one in flight were never read: their slots are untouched.
-        assert not ok[11] and read_page(dst, 31) == sentinel
+        if run_pages == 1:  # the pages after the last one in flight were never read
+            assert not ok[11] and read_page(dst, 31) == sentinel
+        else:  # one run: every other page was read alongside the bad one, and is its own
+            assert ok == [True] * 5 + [False] + [True] * 6

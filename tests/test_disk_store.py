@@ -6,7 +6,6 @@ import logging
 from pathlib import Path
 
 import pytest
-import torch
 from disk_rig import (
     LAYOUT,
     NS,
@@ -155,10 +154,13 @@ def test_a_page_needs_every_payload(tmp_path: Path) -> None:
         from kvstrata.tiers.disk_index import encode_key
 
         index.delete_keys([encode_key(NS.digest, pages[1], 2)])  # page 1 loses its draft payload
-        assert store.lookup(pages) == 1
-        assert store.read(pages, dst, [0, 1, 2]) == [True, False, False]
-        problems = store.check(fix=True)
-        assert {p.kind for p in problems} == {"page-incomplete", "live-not-indexed"}
+        assert {p.kind for p in store.check()} == {"page-incomplete", "live-not-indexed"}
+        # The store answers lookups from the pages it wrote; the read confirms each page with
+        # the index, finds page 1's entries incomplete, and drops it (page 2, read alongside,
+        # is whole).
+        assert store.read(pages, dst, [0, 1, 2]) == [True, False, True]
+        assert store.stats().verify_failures == 1
+        wait_until(lambda: store.lookup(pages) == 1)
         assert store.check() == [] and store.stats().used_slots == 2
 
 
@@ -198,20 +200,6 @@ def test_gc_evicts_the_least_recently_used_first(tmp_path: Path) -> None:
         assert store.read(hot, dst, list(range(5))) == [True] * 5
         spill_all(store, pool, hashes(5, seed=3), ticket=3)  # 20 > 18: GC down to 10 first
         assert store.lookup(hot) == 5 and store.lookup(old) == 0
-
-
-def test_refused_when_too_many_tickets_are_open(tmp_path: Path) -> None:
-    pool = host_pool()
-    pages = hashes(2)
-    with open_store(tmp_path, max_tickets=2) as store:
-        assert store.spill(1, [(pages[0], 0, 1)], pool)
-        assert store.spill(2, [(pages[1], 1, 1)], pool)
-        assert store.flush(30)
-        assert not store.spill(3, [(pages[1], 1, 1)], pool)  # done, but not polled yet
-        assert not store.reload(4, pages, pool, [5, 6])
-        assert len(store.poll().spilled) == 2
-        assert store.spill(3, [(pages[1], 1, 1)], pool)
-        assert store.stats().spills_refused == 1
 
 
 def test_reload_runs_on_the_reader_thread(tmp_path: Path) -> None:
@@ -320,12 +308,12 @@ def test_direct_io_mode_choice(
 def test_a_bug_in_a_thread_is_raised_by_poll(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvstrata.tiers import disk_spill
+    from kvstrata.tiers import disk_gather
 
-    def broken(*args: object) -> list[torch.Tensor]:
+    def broken(*args: object) -> object:
         raise ValueError("gather bug")
 
-    monkeypatch.setattr(disk_spill, "host_page_bytes", broken)
+    monkeypatch.setattr(disk_gather, "host_pages", broken)
     store = open_store(tmp_path)
     pool = host_pool()
     assert store.spill(1, [(hashes(1)[0], 0, 1)], pool)

@@ -47,6 +47,7 @@ TOP = {
     "tiers.backups_done", "tiers.backups_skipped", "tiers.backups_failed", "tiers.loads",
     "tiers.loads_failed", "tiers.load_back_wait_ms", "tiers.l3_hit_tokens", "tiers.l3",
     "tiers.remote",  # new with --remote
+    "tiers.backups_done_pages", "tiers.backups_skipped_pages", "tiers.backups_failed_pages",
     "verify", "verify.ok", "verify.requests", "verify.max_abs_logit_diff", "verify.argmax_agree",
     "verify.payload_mismatched_bytes", "verify.nonfinite_logits",
     "verify.draft_max_abs_logit_diff", "verify.draft_argmax_agree", "verify.decode",
@@ -74,10 +75,13 @@ CONFIG_ADDED = {
 L3 = {
     "pages_present", "pages_written", "bytes_written", "pages_read", "bytes_read",
     "read_misses", "read_races", "verify_failures", "read_errors", "write_errors",
-    "index_errors", "spills_refused", "gc_reclaimed", "touches_dropped", "spills",
-    "spilled_pages", "skipped_admission", "skipped_full", "reloads", "reloaded_pages",
-    "reload_misses", "hit_tokens", "load_pages", "load_dropped", "load_truncated",
-    "dropped_unreported",
+    "index_errors", "spills_refused", "gc_reclaimed", "spills",
+    "skipped_admission", "skipped_full", "reloads", "load_pages", "load_dropped",
+    "load_truncated", "dropped_unreported",
+    # the engine's, apart from the store's (the same names used to overwrite the store's)
+    "engine_spills", "engine_spilled_pages", "engine_spills_refused", "engine_reloads",
+    "engine_reloaded_pages", "engine_reload_misses", "engine_reloads_refused",
+    "engine_reload_refused_pages", "engine_hit_tokens",
 }  # fmt: skip
 COST = {
     "tokens_per_s", "h2d_gbps", "d2h_gbps",

@@ -117,7 +117,7 @@ def test_sigkill_during_batch_set_v1_loses_nothing_durable(tmp_path: Path) -> No
     mid_call = 0
     try:
         for kill in range(KILLS):
-            conn.send((str(tmp_path), kill, rng.randint(1, 4), rng.uniform(0, 0.02)))
+            conn.send((str(tmp_path), kill, rng.randint(1, 4), rng.uniform(0, 0.004)))
             assert conn.poll(180), "the zygote did not finish a round"
             got_offered, got_durable, exitcode, inside = conn.recv()
             assert exitcode == -9

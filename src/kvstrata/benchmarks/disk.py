@@ -162,6 +162,19 @@ def _spill(
     return time.perf_counter() - t0
 
 
+def written_bytes() -> int | None:
+    """Bytes this process (its threads and reaped children) sent to storage so far
+    (``/proc/self/io`` write_bytes), None where the kernel does not say."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("write_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def _reap(store: DiskStore) -> int:
     got = store.poll()
     for d in got.spilled:
@@ -199,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[float]] = {"spill": [], "dd_write": [], "reload": [], "dd_read": []}
     verified = True
     io_mode = ""
+    amplification: list[int] = []  # bytes sent to storage while spilling, per round
     try:
         dd_file = scratch / "dd.bin"
         with open(dd_file, "wb") as f:  # preallocated, as the slabs are
@@ -232,9 +246,12 @@ def main(argv: list[str] | None = None) -> int:
                 ours_first = r % 2 == 0
                 if not ours_first:
                     rounds["dd_write"].append(_dd(dd_write))
+                before = written_bytes()
                 rounds["spill"].append(
                     disk_bytes / _spill(store, src, hashes, args.ticket_pages, r << 32)
                 )
+                if before is not None:  # the slabs' and the index's bytes (no dd meanwhile)
+                    amplification.append((written_bytes() or 0) - before)
                 if ours_first:
                     rounds["dd_write"].append(_dd(dd_write))
                     rounds["dd_read"].append(_dd(dd_read))
@@ -268,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'op':<8}{'kvstrata GB/s':>15}{'dd O_DIRECT GB/s':>19}{'ratio':>8}")
     print(f"{'spill':<8}{med['spill']:>15.2f}{med['dd_write']:>19.2f}{spill_ratio:>8.2f}")
     print(f"{'reload':<8}{med['reload']:>15.2f}{med['dd_read']:>19.2f}{reload_ratio:>8.2f}")
+    written = statistics.median(amplification) / disk_bytes if amplification else None
+    if written is not None:
+        print(f"written    {written:.3f}x the slot bytes spilled (slabs and index, /proc/self/io)")
     result = {
         "bench": "disk",
         "pages": pages,
@@ -283,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "reload_gbps": round(med["reload"], 3),
         "dd_read_gbps": round(med["dd_read"], 3),
         "reload_ratio": round(reload_ratio, 3),
+        "written_per_slot_byte": None if written is None else round(written, 3),
         "rounds_gbps": {k: [round(x / 1e9, 3) for x in v] for k, v in rounds.items()},
         "write_errors": stats.write_errors,
         "verify_failures": stats.verify_failures,

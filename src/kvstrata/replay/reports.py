@@ -127,15 +127,20 @@ class TierReport:
     d2h_bytes: int
     h2d_pages: int
     h2d_bytes: int
-    backups_done: int
-    backups_skipped: int
-    backups_failed: int
+    backups_done: int  # backup tickets committed (one a settle at most)
+    backups_skipped: int  # nodes not backed up (no host room)
+    backups_failed: int  # nodes whose copy failed
     loads: int
     loads_failed: int
     load_back_wait_ms: float
     l3_hit_tokens: int = 0
-    l3: dict[str, int] | None = None  # the disk store's counters (spills, reads, GC, errors)
+    #: the disk store's counters (spills, reads, GC, errors) and, under ``engine_`` keys, what
+    #: the engine did with it (its spills, reloads, pages, misses, refusals, hit tokens)
+    l3: dict[str, int] | None = None
     remote: dict[str, int] | None = None  # the shared store's (in L3's place): hits, breaker, ...
+    backups_done_pages: int = 0
+    backups_skipped_pages: int = 0
+    backups_failed_pages: int = 0
 
     @classmethod
     def of(cls, engine: Engine) -> TierReport | None:
@@ -162,11 +167,15 @@ class TierReport:
             load_back_wait_ms=round(loads.stats.wait_s * 1e3, 3),
             l3_hit_tokens=engine.hit_tokens[Tier.L3],
             l3=(
-                dict(engine.cache.disk.store.stats().counters) | asdict(engine.cache.disk.stats)
+                dict(engine.cache.disk.store.stats().counters)
+                | {f"engine_{k}": v for k, v in asdict(engine.cache.disk.stats).items()}
                 if engine.cache.disk is not None and engine.cache.remote is None
                 else None
             ),
             remote=_remote_counters(engine),
+            backups_done_pages=backups.stats.done_pages,
+            backups_skipped_pages=backups.stats.skipped_pages,
+            backups_failed_pages=backups.stats.failed_pages,
         )
 
     def rows(self, cached_tokens: int) -> list[tuple[str, str]]:
@@ -175,10 +184,15 @@ class TierReport:
             [
                 (
                     "disk: spilled / reloaded pages",
-                    f"{l3['pages_written']:,} / {l3['reloaded_pages']:,} "
+                    f"{l3['pages_written']:,} / {l3['engine_reloaded_pages']:,} "
                     f"(verify failures {l3['verify_failures']}, write errors "
                     f"{l3['write_errors']}, GC {l3['gc_reclaimed']:,})",
-                )
+                ),
+                (
+                    "disk: reload misses / refused pages",
+                    f"{l3['engine_reload_misses']:,} / {l3['engine_reload_refused_pages']:,} "
+                    f"(spills refused {l3['spills_refused']:,})",
+                ),
             ]
             if l3 is not None
             else []
@@ -210,8 +224,10 @@ class TierReport:
                 f"{self.h2d_pages:,} pages {self.h2d_bytes / 2**20:,.1f} MiB",
             ),
             (
-                "backups done / skipped / failed",
-                f"{self.backups_done:,} / {self.backups_skipped:,} / {self.backups_failed:,}",
+                "backups: tickets done / nodes skipped / failed",
+                f"{self.backups_done:,} ({self.backups_done_pages:,} pages) / "
+                f"{self.backups_skipped:,} ({self.backups_skipped_pages:,} pages) / "
+                f"{self.backups_failed:,} ({self.backups_failed_pages:,} pages)",
             ),
             (
                 "load-backs (failed), wait ms",

@@ -1,8 +1,9 @@
 """Aligned page buffers of the disk tier, and the host pool pages they copy to and from.
 
 A :class:`Staging` holds whole slots (header, payload, padding) for every payload of a page, at
-4 KiB-aligned addresses, as O_DIRECT needs; :func:`host_page_bytes` names a host pool page's bytes
-in the order a slot's payload holds them (layer 0 first).
+4 KiB-aligned addresses, as O_DIRECT needs; :class:`HostPages` names a host pool page's bytes in
+the order a slot's payload holds them (layer 0 first), as raw extents; :func:`host_page_bytes`
+names them as tensor views (the shared tier's values).
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+import weakref
 
 import torch
 
 from .disk_events import POLL_S
 from .disk_format import SLOT_HEADER_BYTES, aligned_buffer
 from .host_pool import HostPool
+
+_memmove = ctypes.memmove
 
 
 class Staging:
@@ -42,25 +46,23 @@ class Staging:
         start = block * self.block_bytes + self.offsets[kind]
         return self.view[start : start + self.slot_bytes[kind]]
 
-    def _payload_at(self, block: int, kind: int, pages: list[torch.Tensor]) -> int:
-        # Raw copies: the tensors must be what the slot's payload holds, byte for byte.
-        assert all(t.dtype == torch.uint8 and t.is_contiguous() for t in pages)
-        assert sum(t.numel() for t in pages) <= self.slot_bytes[kind] - SLOT_HEADER_BYTES
+    def payload_address(self, block: int, kind: int) -> int:
+        """Where the payload of ``kind`` starts in ``block`` (past its slot header)."""
         return self._base + block * self.block_bytes + self.offsets[kind] + SLOT_HEADER_BYTES
 
-    def gather(self, block: int, kind: int, pages: list[torch.Tensor]) -> None:
-        """Copy ``pages`` (contiguous uint8 tensors, in order) into the payload of a slot."""
-        at = self._payload_at(block, kind, pages)
-        for src in pages:
-            ctypes.memmove(at, src.data_ptr(), src.numel())
-            at += src.numel()
+    def gather(self, block: int, kind: int, extents: list[tuple[int, int]]) -> None:
+        """Copy host ``extents`` (address, bytes), in order, into the payload of a slot."""
+        at = self.payload_address(block, kind)
+        for src, n in extents:
+            _memmove(at, src, n)
+            at += n
 
-    def scatter(self, block: int, kind: int, pages: list[torch.Tensor]) -> None:
-        """Copy a slot's payload out into ``pages`` (contiguous uint8 tensors, in order)."""
-        at = self._payload_at(block, kind, pages)
-        for dst in pages:
-            ctypes.memmove(dst.data_ptr(), at, dst.numel())
-            at += dst.numel()
+    def scatter(self, block: int, kind: int, extents: list[tuple[int, int]]) -> None:
+        """Copy a slot's payload out into host ``extents`` (address, bytes), in order."""
+        at = self.payload_address(block, kind)
+        for dst, n in extents:
+            _memmove(dst, at, n)
+            at += n
 
     def acquire(self, stop: threading.Event) -> int | None:
         """A free block, waiting for the writer to return one; None once ``stop`` is set."""
@@ -73,6 +75,56 @@ class Staging:
 
     def release(self, block: int) -> None:
         self._free.put_nowait(block)
+
+
+class HostPages:
+    """The raw extents ``(address, bytes)`` of a host pool's pages, one list per payload in the
+    order a slot's payload holds them: one extent of all layers in ``page_first``, one per layer
+    in ``layer_first``. Addresses are worked out once per slab, so a page costs arithmetic only
+    (no tensor views on the disk threads' hot path)."""
+
+    def __init__(self, host_pool: HostPool) -> None:
+        self.slots_per_slab = host_pool.slots_per_slab
+        self.num_slots = host_pool.num_slots
+        self._keep = host_pool.tensors()  # the memory the addresses name outlives the pool's use
+        # per payload: [(slab base addresses, stride, offset, bytes) per extent]
+        self._parts: list[list[tuple[list[int], int, int, int]]] = []
+        page_first = host_pool.host_layout == "page_first"
+        for spec in host_pool.layout.payloads:
+            layers = host_pool.layout.layers(spec)
+            parts = []
+            for layer in range(1 if page_first else layers):
+                stride, offset, nbytes = host_pool.page_geometry(spec.name, layer)
+                if page_first:
+                    nbytes *= layers
+                bases = [
+                    host_pool.slab_tensor(spec.name, layer, slab).data_ptr()
+                    for slab in range(host_pool.num_slabs)
+                ]
+                parts.append((bases, stride, offset, nbytes))
+            assert sum(p[3] for p in parts) == layers * host_pool.page_geometry(spec.name, 0)[2]
+            self._parts.append(parts)
+
+    def extents(self, kind: int, host_slot: int) -> list[tuple[int, int]]:
+        assert 0 <= host_slot < self.num_slots
+        slab, row = divmod(int(host_slot), self.slots_per_slab)
+        return [
+            (bases[slab] + row * stride + offset, nbytes)
+            for bases, stride, offset, nbytes in self._parts[kind]
+        ]
+
+
+_HOST_PAGES: weakref.WeakKeyDictionary[HostPool, HostPages] = weakref.WeakKeyDictionary()
+_HOST_PAGES_LOCK = threading.Lock()
+
+
+def host_pages(host_pool: HostPool) -> HostPages:
+    """The :class:`HostPages` of ``host_pool`` (made once per pool)."""
+    with _HOST_PAGES_LOCK:
+        found = _HOST_PAGES.get(host_pool)
+        if found is None:
+            found = _HOST_PAGES[host_pool] = HostPages(host_pool)
+        return found
 
 
 def host_page_bytes(host_pool: HostPool, payload: str, host_slot: int) -> list[torch.Tensor]:

@@ -31,8 +31,10 @@ class DiskConfig:
         fdatasync), ``"auto"`` (O_DIRECT where the filesystem takes it, else buffered, reported
         by ``stats().io_mode`` and a warning).
     staging_bytes: aligned memory for pages between gather and write (at least 2 pages).
-    max_tickets: spill and reload tickets in flight or unpolled; more are refused.
-    io_timeout_s: the longest a read waits for one slot read or for another read to finish.
+    max_tickets: spill and reload jobs running at once; one more waits for one to finish (at
+        most ``io_timeout_s``, then it is refused: the disk stopped answering).
+    io_timeout_s: the longest a read waits for one slot read or for another read to finish, and
+        a spill or reload for room among ``max_tickets``.
     read_threads: pages a read has in flight, each on a thread that reads, verifies and copies
         it (so reads overlap each other's CRC and copy, and the disk sees that queue depth;
         3 read fastest on the development machine, against 1, 2 and 4: docs/benchmarks.md).

@@ -1,8 +1,8 @@
 """What the disk tier reports: counters, per-ticket results, and the events ``poll()`` hands out.
 
 Every store thread bumps :class:`Counters` and posts to one :class:`Events`; ``DiskStore.poll()``
-drains it. Everything here is bounded: results exist only for tickets in flight (at most
-``max_tickets``), and dropped pages beyond :data:`DROPPED_CAP` are only counted.
+drains it. Results wait for ``poll()`` (one small record a ticket; at most ``max_tickets`` jobs
+run at once), and dropped pages beyond :data:`DROPPED_CAP` are only counted.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .host_pool import HostPool
+if TYPE_CHECKING:
+    from .disk_plan import SpillJob
 
 log = logging.getLogger("kvstrata.disk")
 #: How long a store thread waits on an empty queue before it looks at the stop flag again.
@@ -44,7 +46,7 @@ class RateLimitedLog:
 
 COUNTERS = (
     "spills",  # spill tickets accepted
-    "spills_refused",  # spill tickets refused (too many in flight)
+    "spills_refused",  # spill tickets refused (closed, or the disk stopped answering)
     "pages_written",  # pages made durable by a write
     "bytes_written",
     "pages_present",  # pages a spill found already on disk
@@ -63,7 +65,6 @@ COUNTERS = (
     "load_pages",  # pages a load cold start found valid
     "load_dropped",  # index entries a load cold start dropped
     "load_truncated",  # slabs a load cold start found truncated (and extended)
-    "touches_dropped",  # LRU touches lost to a full control queue
     "dropped_unreported",  # dropped pages poll() no longer lists (it was not called for long)
 )
 
@@ -106,20 +107,10 @@ class ReloadDone:
     ok: tuple[bool, ...]
 
 
-@dataclass(eq=False)
-class SpillJob:
-    ticket: int
-    pages: list[tuple[bytes, int]]  # (page hash, host slot) to write
-    host_pool: HostPool
-    skipped: list[bytes]
-    durable: list[bytes] = field(default_factory=list)
-    failed: list[bytes] = field(default_factory=list)
-    pending: int = 0  # pages handed to the writer and not finished
-    released: bool = False
-
-
 class Events:
-    """Completions waiting for ``poll()``, and the count of jobs still running (for ``flush``)."""
+    """Completions waiting for ``poll()``, and counts of the jobs still running (what
+    ``DiskStore.wait`` waits for). ``cond`` is also notified whenever pages finish writing.
+    Lock order: ``cond`` before the store's state lock, never the other way round."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -128,23 +119,34 @@ class Events:
         self.reloaded: list[ReloadDone] = []
         self.dropped: deque[bytes] = deque()
         self.running = 0  # spill and reload jobs submitted and not finished
+        self.reloading = 0  # of them, reloads
+        self.unreleased = 0  # of them, spills whose host slots are still read
 
-    def start(self) -> None:
-        with self.cond:
-            self.running += 1
+    def start(self, reload: bool) -> None:
+        """A job was accepted (call with ``cond`` held)."""
+        self.running += 1
+        if reload:
+            self.reloading += 1
+        else:
+            self.unreleased += 1
 
     def release(self, job: SpillJob) -> None:
         with self.cond:
             assert not job.released
             job.released = True
+            self.unreleased -= 1
             self.released.append(job.ticket)
             self._maybe_done(job)
+            self.cond.notify_all()
 
-    def page_done(self, job: SpillJob, page_hash: bytes, ok: bool) -> None:
+    def pages_done(self, pages: list[tuple[SpillJob, bytes]], ok: bool) -> None:
+        """Pages ``(job, page hash)`` are durable (``ok``) or failed."""
         with self.cond:
-            (job.durable if ok else job.failed).append(page_hash)
-            job.pending -= 1
-            self._maybe_done(job)
+            for job, page_hash in pages:
+                (job.durable if ok else job.failed).append(page_hash)
+                job.pending -= 1
+                self._maybe_done(job)
+            self.cond.notify_all()
 
     def _maybe_done(self, job: SpillJob) -> None:
         if job.released and job.pending == 0:
@@ -161,6 +163,7 @@ class Events:
         with self.cond:
             self.reloaded.append(done)
             self.running -= 1
+            self.reloading -= 1
             self.cond.notify_all()
 
     def drop(self, hashes: list[bytes], counters: Counters) -> None:

@@ -43,6 +43,8 @@ from .page_hash import FORMAT_VERSION
 
 #: O_DIRECT offset, length and buffer alignment (one filesystem block on every disk we target).
 ALIGN = 4096
+#: The most slots one vectored read or write covers (Linux's IOV_MAX).
+MAX_RUN_SLOTS = 1024
 SLOT_HEADER_BYTES = 64
 PAGE_MAGIC = b"KVSTRPG\0"
 SLAB_MAGIC = b"KVSTRSB\0"
@@ -396,6 +398,39 @@ class SlabFile:
             if n <= 0:
                 break
             done += n
+        return done
+
+    def write_slots(self, first_slot: int, bufs: list[memoryview]) -> None:
+        """Write whole consecutive slots from ``first_slot`` (one buffer each) in one vectored
+        call; raises OSError on failure (which slots landed is then unknown)."""
+        assert 1 <= len(bufs) <= MAX_RUN_SLOTS
+        assert all(len(b) == self.geometry.slot_bytes for b in bufs)
+        offset = self.geometry.slot_offset(first_slot)
+        self.geometry.slot_offset(first_slot + len(bufs) - 1)  # inside the slab
+        total = len(bufs) * self.geometry.slot_bytes
+        n = os.pwritev(self._fd, bufs, offset)
+        if n != total:  # a short write at a regular file is rare: finish it slot by slot
+            for i, buf in enumerate(bufs):
+                if (i + 1) * len(buf) > n:
+                    self.write_slot(first_slot + i, buf)
+
+    def read_slots(self, first_slot: int, bufs: list[memoryview]) -> int:
+        """Read consecutive slots from ``first_slot`` into ``bufs`` (one each) in one vectored
+        call; returns the bytes read (short past the end of a truncated file). Raises OSError
+        on an I/O error."""
+        assert 1 <= len(bufs) <= MAX_RUN_SLOTS
+        offset = self.geometry.slot_offset(first_slot)
+        self.geometry.slot_offset(first_slot + len(bufs) - 1)  # inside the slab
+        size = self.geometry.slot_bytes
+        done = i = 0
+        while i < len(bufs):  # a short read happens only at the end of the file
+            n = os.preadv(self._fd, bufs[i:], offset + done)
+            if n <= 0:
+                break
+            done += n
+            if done % size:  # a partial slot: nothing more to read (and O_DIRECT cannot go on)
+                break
+            i = done // size
         return done
 
     def sync(self) -> None:

@@ -266,6 +266,33 @@ class DiskIndex:
         """A read transaction (use as a context manager)."""
         return self.env.begin(db=self._pages)
 
+    def slots(
+        self,
+        txn: lmdb.Transaction,
+        ns: bytes,
+        rank: int,
+        hashes: Sequence[bytes],
+        num_payloads: int,
+    ) -> list[int | None]:
+        """:meth:`page`'s slot for each of ``hashes`` (None where it has no entry), without
+        building entries: the read path asks this for every page it reads."""
+        get, db, key, size = txn.get, self._pages, KEY.pack, VALUE.size
+        out: list[int | None] = []
+        for h in hashes:
+            slot: int | None = -1
+            for kind in range(num_payloads):
+                raw = get(key(ns, h, kind), db=db)
+                if raw is None or len(raw) != size:
+                    slot = None
+                    break
+                got_rank, got_slot, _ = VALUE.unpack(raw)
+                if got_rank != rank or slot not in (-1, got_slot):
+                    slot = None
+                    break
+                slot = got_slot
+            out.append(slot)
+        return out
+
     def leading(self, ns: bytes, rank: int, hashes: Sequence[bytes], num_payloads: int) -> int:
         """How many of ``hashes``, from the first, are present."""
         with self.read() as txn:

@@ -1,14 +1,21 @@
 """Verified reads of the disk tier: slab slots into host pool pages, several pages in flight.
 
-Each page is read on one of ``read_threads`` threads, which reads every payload's slot into an
-aligned buffer, checks it (``disk_format.check_slot``: magic, format, kind, hash, length, header
-and payload CRC), confirms that the index still names that slot, and only then copies the
-payload into the page's host slot. Up to ``2 * read_threads`` pages are in flight, so the disk
-always has the next reads queued while earlier pages are checked and copied.
+A read splits its pages into *runs*: pages in consecutive slots, up to :data:`RUN_BYTES` of one
+payload's slab (pages spilled together get consecutive slots, so a prefix is a few runs). Each
+run is read on one of ``read_threads`` threads, with one vectored O_DIRECT read per payload slab
+into aligned buffers; every slot is then checked (``disk_format.check_slot``: magic, format,
+kind, hash, length, header and payload CRC), the index is asked once, in one transaction,
+whether it still names each slot, and only then is each page's payload copied into its host
+slot. Up to ``2 * read_threads`` runs are in flight, so the disk always has the next reads
+queued while earlier runs are checked and copied, all off the caller's thread. An I/O error in a
+run reads its slots one at a time, so that only the pages that fail are lost.
 
-A page whose slot fails its check is looked up again first: when its entry is gone or names
-another slot, GC dropped it and reused the slot during the read, which is counted as a
-``read_race`` without a warning; only a slot the index still vouches for is a verify failure.
+Where each page is comes from the store's slot pool (``locate``: no index read; a read-only
+:class:`~kvstrata.tiers.disk_view.DiskView` asks the index instead). A page whose entry is gone
+or names another slot after the read was dropped by GC meanwhile (the plan takes it from the
+pool before its entries go), which is counted as a ``read_race`` without a warning, unless the
+pool still holds it in that slot: then the index lost it, and it is a verify failure, dropped.
+A slot the index still vouches for that fails its check is a verify failure too.
 
 Why the index check after the read makes a verified page exact: GC deletes a page's entries
 before it frees the slot, and a slot is rewritten only once free; an entry that still names the
@@ -25,12 +32,17 @@ from collections.abc import Callable, Sequence
 
 import lmdb
 
-from .disk_buffers import Staging, host_page_bytes
+from .disk_buffers import HostPages, Staging, host_pages
 from .disk_events import Counters, RateLimitedLog
-from .disk_format import SlabFile, check_slot
+from .disk_format import MAX_RUN_SLOTS, SlabFile, check_slot
 from .disk_index import DiskIndex
 from .host_pool import HostPool
 from .page_hash import Namespace
+
+#: Bytes of one payload's consecutive slots read in one call and checked together (a run).
+RUN_BYTES = 4 << 20
+#: What became of one page of a run: None when it is in its host slot, else (counter, why).
+_Result = tuple[str, str] | None
 
 
 class PageReader:
@@ -45,21 +57,34 @@ class PageReader:
         counters: Counters,
         warn: RateLimitedLog,
         drop: Callable[[bytes, int], object],
-        touch: Callable[[list[bytes]], None],
         read_threads: int,
         io_timeout_s: float,
+        wait_written: Callable[[Sequence[bytes]], bool] | None = None,
+        locate: Callable[[Sequence[bytes]], list[int | None]] | None = None,
     ) -> None:
         self.namespace, self.rank, self._slabs, self._index = namespace, rank, slabs, index
-        self.counters, self._warn, self._drop, self._touch = counters, warn, drop, touch
+        self.counters, self._warn, self._drop = counters, warn, drop
+        self._wait_written = wait_written
+        #: Where each page is, as far as the store knows (its slot pool); None: ask the index.
+        #: Either way the index confirms every slot after it is read (module docstring).
+        self._locate = locate
         self.read_threads, self.io_timeout_s = read_threads, io_timeout_s
         self.num_slots = slabs[0].geometry.num_slots
         self.page_bytes = sum(s.geometry.slot_bytes for s in slabs)
         self._payload_len = [s.geometry.payload_len for s in slabs]
+        largest = max(s.geometry.slot_bytes for s in slabs)
+        self.run_pages = max(1, min(MAX_RUN_SLOTS, RUN_BYTES // largest))
         self._read_bufs = self._new_read_buffers()
         self._read_lock = threading.Lock()
         self._io = concurrent.futures.ThreadPoolExecutor(
             read_threads, thread_name_prefix="kvstrata-l3-read"
         )
+
+    @staticmethod
+    def buffer_bytes(page_bytes: int, largest_slot: int, read_threads: int) -> int:
+        """Memory the read buffers of a store take."""
+        run_pages = max(1, min(MAX_RUN_SLOTS, RUN_BYTES // largest_slot))
+        return 2 * read_threads * run_pages * page_bytes
 
     def read(
         self, hashes: Sequence[bytes], host_pool: HostPool, host_slots: Sequence[int]
@@ -79,6 +104,18 @@ class PageReader:
     def close(self) -> None:
         self._io.shutdown(wait=False, cancel_futures=True)
 
+    def _runs(self, slots: list[int]) -> list[tuple[int, int]]:
+        """``(first page, pages)`` of each run of consecutive slots, in page order."""
+        runs: list[tuple[int, int]] = []
+        for i, slot in enumerate(slots):
+            if runs:
+                start, n = runs[-1]
+                if slot == slots[start] + n and n < self.run_pages:
+                    runs[-1] = (start, n + 1)
+                    continue
+            runs.append((i, 1))
+        return runs
+
     def _read_locked(
         self,
         hashes: Sequence[bytes],
@@ -88,112 +125,171 @@ class PageReader:
     ) -> None:
         assert self._index is not None
         ns, num_payloads = self.namespace.digest, len(self._slabs)
-        slots: list[int] = []
+        # A page the writer has not published yet is read once it has (or failed: a miss).
+        if self._wait_written is not None and not self._wait_written(hashes):
+            self._warn.warn("read", "a read waited too long for pages being written")
+        found: list[int | None] = []
         try:
-            with self._index.read() as txn:
-                for h in hashes:
-                    entry = self._index.page(txn, ns, self.rank, h, num_payloads)
-                    if entry is None:
-                        break
-                    slots.append(entry.slot)
+            if self._locate is not None:
+                found = self._locate(hashes)
+            else:
+                with self._index.read() as txn:
+                    found = self._index.slots(txn, ns, self.rank, hashes, num_payloads)
         except lmdb.Error as err:  # a damaged index: misses, counted, never a crash
             self.counters.add(index_errors=1)
             self._warn.warn("index", f"cannot read the disk index: {err}")
-            slots = []
+        slots: list[int] = []
+        for slot in found:
+            if slot is None:
+                break
+            slots.append(slot)
         self.counters.add(read_misses=len(hashes) - len(slots))
         bad = next((i for i, s in enumerate(slots) if not 0 <= s < self.num_slots), None)
         if bad is not None:  # an entry past the slab (another process's, or corrupt): a miss
             past = f"slot {slots[bad]} past the slab's {self.num_slots}"
             self._failed_read(hashes[bad], slots[bad], "verify_failures", past)
             slots = slots[:bad]
+        if not slots:
+            return
         timeout = self.io_timeout_s
-        depth = len(self._read_bufs)
-        # (page index, its read): after a failure the reads in flight are not the last pages.
-        pending: deque[tuple[int, concurrent.futures.Future[tuple[str, str] | None]]] = deque()
+        runs = self._runs(slots)
+        pages = host_pages(host_pool)
+        # (first page, pages, its buffer, its read): after a failure the runs in flight are not
+        # the last pages read.
+        pending: deque[tuple[int, int, Staging, concurrent.futures.Future[list[_Result]]]] = deque()
 
-        def submit(j: int, buf: Staging) -> None:
-            args = (hashes[j], slots[j], buf, host_pool, host_slots[j])
-            pending.append((j, self._io.submit(self._load_page, *args)))
+        def submit(r: int, buf: Staging) -> None:
+            start, n = runs[r]
+            end = start + n
+            args = (hashes[start:end], slots[start:end], buf, pages, host_slots[start:end])
+            pending.append((start, n, buf, self._io.submit(self._load_run, *args)))
 
-        for j in range(min(depth, len(slots))):  # at most `depth` pages in flight
-            submit(j, self._read_bufs[j])
+        for r, buf in enumerate(self._read_bufs[: len(runs)]):  # `depth` runs in flight
+            submit(r, buf)
+        next_run = len(pending)
+
+        def collect(start: int, n: int, results: list[_Result]) -> bool:
+            """Mark a run's pages; False when one failed."""
+            whole = True
+            for j, failed in enumerate(results):
+                ok[start + j] = failed is None
+                if failed is not None:
+                    whole = False
+                    self._failed_read(hashes[start + j], slots[start + j], *failed)
+            return whole
+
         try:
-            for i, slot in enumerate(slots):
+            while pending:
+                start, n, buf, future = pending.popleft()
                 try:
-                    failed = pending.popleft()[1].result(timeout=timeout)
+                    results = future.result(timeout=timeout)
                 except concurrent.futures.TimeoutError:
                     self._read_bufs = self._new_read_buffers()  # the stuck read keeps the old
-                    failed = ("read_errors", f"a slot read took over {timeout} s")
-                if failed is not None:
-                    self._failed_read(hashes[i], slot, *failed)
+                    results = [("read_errors", f"a slot read took over {timeout} s")] * n
+                if not collect(start, n, results):
                     return
-                ok[i] = True
-                if i + depth < len(slots):  # page i's buffer is free again
-                    submit(i + depth, self._read_bufs[i % depth])
+                if next_run < len(runs):  # the run's buffer is free again
+                    submit(next_run, buf)
+                    next_run += 1
         finally:
-            for j, future in pending:
+            for start, n, _, future in pending:
                 if future.cancel():
                     continue
                 try:  # a page read after one that failed still landed whole in its own slot
-                    failed = future.result(timeout=timeout)
+                    collect(start, n, future.result(timeout=timeout))
                 except concurrent.futures.TimeoutError:
                     self._read_bufs = self._new_read_buffers()
-                    continue
-                ok[j] = failed is None
-                if failed is not None:
-                    self._failed_read(hashes[j], slots[j], *failed)
             pages_read = sum(ok)
             self.counters.add(pages_read=pages_read, bytes_read=pages_read * self.page_bytes)
-            self._touch([h for h, good in zip(hashes, ok, strict=False) if good])
 
     def _new_read_buffers(self) -> list[Staging]:
-        # Twice the threads: a thread finds its next page queued while this one is collected.
+        # Twice the threads: a thread finds its next run queued while this one is collected.
         depth = 2 * self.read_threads
-        return [Staging([s.geometry.slot_bytes for s in self._slabs], 1) for _ in range(depth)]
+        slot_bytes = [s.geometry.slot_bytes for s in self._slabs]
+        return [Staging(slot_bytes, self.run_pages) for _ in range(depth)]
 
-    def _load_page(
-        self, page_hash: bytes, slot: int, buf: Staging, host_pool: HostPool, host_slot: int
-    ) -> tuple[str, str] | None:
-        """On a read thread: read every payload's slot into ``buf``, verify it, confirm it with
-        the index, copy it into the host slot. None when done, else ``(counter, why)``."""
+    def _load_run(
+        self,
+        hashes: Sequence[bytes],
+        slots: Sequence[int],
+        buf: Staging,
+        pages: HostPages,
+        host_slots: Sequence[int],
+    ) -> list[_Result]:
+        """On a read thread: read a run's slots of every payload into ``buf``, verify each,
+        confirm them with the index, copy the good ones into their host slots."""
+        n = len(hashes)
+        results: list[_Result] = [None] * n
+        checks: list[str | None] = [None] * n  # why a slot that was read does not check out
         for k, slab in enumerate(self._slabs):
-            view = buf.slot(0, k)
-            try:
-                got = slab.read_slot(slot, view)
-            except OSError as err:
-                return "read_errors", f"read error: {err.strerror}"
-            if got < len(view):
-                return "read_errors", f"short read: {got} of {len(view)} bytes (a truncated slab?)"
-            why = check_slot(view, k, page_hash, self._payload_len[k])
-            if why is not None:
-                # GC may have dropped the page and reused its slot while it was read: that is a
-                # race, not corruption, and the index says which (the entry goes before the slot)
-                if self._still_names(page_hash, slot) is False:
-                    return "read_races", "the page was dropped while it was read"
-                return "verify_failures", f"payload {self.namespace.payloads[k].name}: {why}"
-        # The bytes are this page's unless GC freed and rewrote the slot meanwhile, which needs
-        # the entry gone first: an entry still there after the read vouches for them.
-        still = self._still_names(page_hash, slot)
-        if still is None:
-            return "read_errors", "the disk index cannot be read"
-        if not still:
-            return "read_races", "the page was dropped while it was read"
-        for k, spec in enumerate(self.namespace.payloads):
-            buf.scatter(0, k, host_page_bytes(host_pool, spec.name, host_slot))
-        return None
+            views = [buf.slot(b, k) for b in range(n)]
+            self._read_views(slab, slots[0], views, results)
+            for b, view in enumerate(views):
+                if results[b] is None and checks[b] is None:
+                    why = check_slot(view, k, hashes[b], self._payload_len[k])
+                    if why is not None:
+                        checks[b] = f"payload {self.namespace.payloads[k].name}: {why}"
+        # The bytes are a page's own unless GC freed and rewrote its slot meanwhile, which needs
+        # the entry gone first: an entry still there after the read vouches for them. GC may
+        # also have reused the slot of a page that does not check out: that is a race, not
+        # corruption, and the index says which (the entry goes before the slot).
+        still = self._still_name(hashes, slots)
+        for b in range(n):
+            if results[b] is not None:
+                continue
+            if still is None:
+                results[b] = ("read_errors", "the disk index cannot be read")
+            elif not still[b]:
+                if self._locate is not None and self._locate([hashes[b]]) == [slots[b]]:
+                    # The store still holds it there but its entry is gone: damage, not GC.
+                    why = "the index no longer names the slot the store holds it in"
+                    results[b] = ("verify_failures", why)
+                else:
+                    results[b] = ("read_races", "the page was dropped while it was read")
+            elif (why := checks[b]) is not None:
+                results[b] = ("verify_failures", why)
+            else:
+                for k in range(len(self._slabs)):
+                    buf.scatter(b, k, pages.extents(k, host_slots[b]))
+        return results
 
-    def _still_names(self, page_hash: bytes, slot: int) -> bool | None:
-        """Whether the index still names ``slot`` for the page (None: the index cannot be read)."""
+    @staticmethod
+    def _read_views(
+        slab: SlabFile, first: int, views: list[memoryview], results: list[_Result]
+    ) -> None:
+        """Read consecutive slots into ``views`` (one vectored read; slot by slot after an
+        error, so that only the slots that fail are lost); failures go to ``results``."""
+        size = slab.geometry.slot_bytes
+        try:
+            got = [slab.read_slots(first, views)]
+        except OSError:
+            got = []
+            for b, view in enumerate(views):
+                try:
+                    got.append(slab.read_slot(first + b, view))
+                except OSError as err:
+                    got.append(-1)
+                    if results[b] is None:
+                        results[b] = ("read_errors", f"read error: {err.strerror}")
+        for b in range(len(views)):
+            have = got[b] if len(got) > 1 else min(size, max(0, got[0] - b * size))
+            if 0 <= have < size and results[b] is None:
+                results[b] = (
+                    "read_errors",
+                    f"short read: {have} of {size} bytes (a truncated slab?)",
+                )
+
+    def _still_name(self, hashes: Sequence[bytes], slots: Sequence[int]) -> list[bool] | None:
+        """Whether the index still names each page's slot (None: it cannot be read)."""
         assert self._index is not None
+        ns, num_payloads = self.namespace.digest, len(self._slabs)
         try:
             with self._index.read() as txn:
-                entry = self._index.page(
-                    txn, self.namespace.digest, self.rank, page_hash, len(self._slabs)
-                )
+                named = self._index.slots(txn, ns, self.rank, hashes, num_payloads)
         except lmdb.Error:
             self.counters.add(index_errors=1)
             return None
-        return entry is not None and entry.slot == slot
+        return [n == s for n, s in zip(named, slots, strict=True)]
 
     def _failed_read(self, page_hash: bytes, slot: int, counter: str, why: str) -> None:
         """Count a page that could not be read; drop it unless GC did (a race, not a fault)."""

@@ -1,32 +1,42 @@
-"""Disk slots of one rank: which are free, which page each live slot holds, and their LRU order.
+"""Disk slots of one rank: which are free, which page each used slot holds, and their LRU order.
 
 Every slot is in exactly one state::
 
-    free ──alloc──▶ writing ──publish (index committed)──▶ live ──evict / drop──▶ free
-                       └────────release (write failed)────────▶ free
+    free ──alloc(page)──▶ writing ──publish (index committed)──▶ live ──remove (GC, drop)──▶ free
+                             └──────────release (write failed)──────────▶ free
 
 A page's payloads share one slot number (slot ``s`` of every payload's slab), so a page is the
-unit of allocation and of GC. ``last_access`` is a logical clock bumped on every publish and
-touch (never wall-clock time); GC takes live pages from the least recently used. The writer
-thread is the only one that changes a pool; others read it under the store's lock.
+unit of allocation and of GC. ``last_access`` is a logical clock bumped on every alloc and touch
+(never wall-clock time), so a page takes its place in the LRU order when its spill is *planned*,
+not when its write happens to land: the order, and so what GC picks, is a function of the calls
+made, however fast the disk is. GC takes live pages from the least recently used; a page still
+being written is never a victim. Callers hold the store's state lock.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from ..errors import PoolInvariantError
 
 
+class _Entry(NamedTuple):
+    slot: int
+    last_access: int
+    live: bool  # False while its write is in flight
+
+
 class SlotPool:
-    """Free list, live pages in LRU order, and the slots being written, of ``num_slots``."""
+    """Free list, and the pages of used slots in LRU order (writing and live), of ``num_slots``."""
 
     def __init__(self, num_slots: int) -> None:
         assert num_slots >= 1
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
-        self._live: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # hash -> (slot, clock)
-        self._writing: set[int] = set()
+        self._pages: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._num_writing = 0
         self.clock = 0
 
     # -- queries ---------------------------------------------------------------------------------
@@ -37,7 +47,11 @@ class SlotPool:
 
     @property
     def num_live(self) -> int:
-        return len(self._live)
+        return len(self._pages) - self._num_writing
+
+    @property
+    def num_writing(self) -> int:
+        return self._num_writing
 
     @property
     def num_used(self) -> int:
@@ -45,83 +59,128 @@ class SlotPool:
         return self.num_slots - len(self._free)
 
     def slot_of(self, page_hash: bytes) -> int | None:
-        found = self._live.get(page_hash)
-        return found[0] if found is not None else None
+        """The slot of a live page (None when absent or still being written)."""
+        found = self._pages.get(page_hash)
+        return found.slot if found is not None and found.live else None
+
+    def writing_slot(self, page_hash: bytes) -> int | None:
+        """The slot a page is being written to (None when it is not)."""
+        found = self._pages.get(page_hash)
+        return found.slot if found is not None and not found.live else None
+
+    def leading(self, page_hashes: Sequence[bytes]) -> int:
+        """How many of ``page_hashes``, from the first, are live or being written."""
+        pages = self._pages
+        for i, h in enumerate(page_hashes):
+            if h not in pages:
+                return i
+        return len(page_hashes)
+
+    def last_access(self, page_hash: bytes) -> int:
+        return self._pages[page_hash].last_access
 
     def live(self) -> list[tuple[bytes, int, int]]:
         """``(page hash, slot, last_access)`` of every live page, least recently used first."""
-        return [(h, slot, last) for h, (slot, last) in self._live.items()]
+        return [(h, e.slot, e.last_access) for h, e in self._pages.items() if e.live]
 
     def coldest(self, n: int) -> list[tuple[bytes, int]]:
         """The ``n`` least recently used live pages ``(hash, slot)``, coldest first."""
         out: list[tuple[bytes, int]] = []
-        for h, (slot, _) in self._live.items():
+        for h, e in self._pages.items():
             if len(out) >= n:
                 break
-            out.append((h, slot))
+            if e.live:
+                out.append((h, e.slot))
         return out
 
     # -- transitions -----------------------------------------------------------------------------
 
-    def alloc(self) -> int | None:
-        """A free slot to write, or None when every slot is used."""
+    def alloc(self, page_hash: bytes) -> int | None:
+        """A free slot to write ``page_hash`` into (the newest in LRU order), or None when every
+        slot is used."""
+        assert page_hash not in self._pages, "a page is allocated twice"
         if not self._free:
             return None
         slot = self._free.pop()
-        self._writing.add(slot)
+        self.clock += 1
+        self._pages[page_hash] = _Entry(slot, self.clock, False)
+        self._num_writing += 1
         return slot
 
-    def release(self, slot: int) -> None:
-        """A slot whose write failed goes back to the free list."""
-        self._writing.remove(slot)
-        self._free.append(slot)
+    def release(self, page_hash: bytes) -> int:
+        """A page whose write failed: its slot goes back to the free list (returned)."""
+        entry = self._pages.pop(page_hash)
+        assert not entry.live, "release a page being written only"
+        self._num_writing -= 1
+        self._free.append(entry.slot)
+        return entry.slot
 
-    def publish(self, page_hash: bytes, slot: int) -> int:
-        """The page's index entries are committed: the slot is live. Returns its last_access."""
-        assert page_hash not in self._live, "a page is published twice"
-        self._writing.remove(slot)
-        self.clock += 1
-        self._live[page_hash] = (slot, self.clock)
-        return self.clock
+    def publish(self, page_hash: bytes) -> int:
+        """The page's index entries are committed: its slot is live. Returns its last_access."""
+        entry = self._pages[page_hash]
+        assert not entry.live, "a page is published twice"
+        self._pages[page_hash] = entry._replace(live=True)
+        self._num_writing -= 1
+        return entry.last_access
 
     def touch(self, page_hash: bytes) -> tuple[int, int] | None:
-        """Mark a live page most recently used; returns ``(slot, last_access)``, None if absent."""
-        found = self._live.get(page_hash)
+        """Mark a page most recently used, live or being written (where it stands must not
+        depend on how far its write got); returns ``(slot, last_access)``, None if absent."""
+        found = self._pages.get(page_hash)
         if found is None:
             return None
         self.clock += 1
-        self._live[page_hash] = (found[0], self.clock)
-        self._live.move_to_end(page_hash)
-        return found[0], self.clock
+        self._pages[page_hash] = found._replace(last_access=self.clock)
+        self._pages.move_to_end(page_hash)
+        return found.slot, self.clock
 
     def remove(self, page_hash: bytes) -> int:
-        """The page's index entries are deleted: free its slot (returned)."""
-        slot, _ = self._live.pop(page_hash)
-        self._free.append(slot)
-        return slot
+        """The page's index entries are (being) deleted: free its slot (returned)."""
+        entry = self._pages.pop(page_hash)
+        assert entry.live, "remove a live page only"
+        self._free.append(entry.slot)
+        return entry.slot
+
+    def sort_free(self) -> None:
+        """Hand free slots out lowest first from now on, so that pages planned together get
+        runs of consecutive slots (one vectored write, and later one read, per run)."""
+        self._free.sort(reverse=True)
+
+    def take_back(self, page_hash: bytes, slot: int, last_access: int) -> bool:
+        """Make ``slot`` live again with ``page_hash`` (whose index entries still name it: their
+        deletion failed); False when the slot is handed out again or the page lives elsewhere."""
+        if page_hash in self._pages or slot not in self._free:
+            return False
+        self._free.remove(slot)
+        self._pages[page_hash] = _Entry(slot, last_access, True)
+        # Back in its place in the LRU order (a rare fault path: the order is rebuilt whole).
+        self._pages = OrderedDict(sorted(self._pages.items(), key=lambda kv: kv[1].last_access))
+        return True
 
     def rebuild(self, pages: list[tuple[bytes, int, int]]) -> None:
         """Start from ``(page hash, slot, last_access)`` live pages (a ``load`` cold start):
         the LRU follows last_access (page hash breaks ties), every other slot is free."""
-        assert not self._live and not self._writing, "rebuild an unused pool only"
+        assert not self._pages, "rebuild an unused pool only"
         ordered = sorted(pages, key=lambda p: (p[2], p[0]))
         taken = {slot for _, slot, _ in ordered}
         assert len(taken) == len(ordered), "two live pages in one slot"
         assert all(0 <= s < self.num_slots for s in taken)
-        self._live = OrderedDict((h, (slot, last)) for h, slot, last in ordered)
+        self._pages = OrderedDict((h, _Entry(slot, last, True)) for h, slot, last in ordered)
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
         self.clock = max((last for _, _, last in ordered), default=0)
 
     def check(self) -> None:
-        """Free, writing and live slots partition ``[0, num_slots)``; clocks are consistent."""
-        live_slots = [slot for slot, _ in self._live.values()]
-        parts = [*self._free, *self._writing, *live_slots]
+        """Free and used slots partition ``[0, num_slots)``; clocks are consistent."""
+        used = [e.slot for e in self._pages.values()]
+        parts = [*self._free, *used]
         if sorted(parts) != list(range(self.num_slots)):
             dup = len(parts) - len(set(parts))
             raise PoolInvariantError(
-                f"disk slots: {len(self._free)} free + {len(self._writing)} writing + "
-                f"{len(live_slots)} live != {self.num_slots} slots ({dup} handed out twice)"
+                f"disk slots: {len(self._free)} free + {self._num_writing} writing + "
+                f"{self.num_live} live != {self.num_slots} slots ({dup} handed out twice)"
             )
-        clocks = [last for _, last in self._live.values()]
+        if self._num_writing != sum(1 for e in self._pages.values() if not e.live):
+            raise PoolInvariantError("disk slots: the count of slots being written is off")
+        clocks = [e.last_access for e in self._pages.values()]
         if clocks != sorted(clocks) or (clocks and clocks[-1] > self.clock):
             raise PoolInvariantError("disk LRU order disagrees with last_access")

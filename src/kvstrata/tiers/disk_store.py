@@ -60,7 +60,6 @@ from .disk_events import (
     RateLimitedLog,
     ReloadDone,
     SpillDone,
-    SpillJob,
     log,
 )
 from .disk_format import (
@@ -74,6 +73,7 @@ from .disk_format import (
     probe_direct_io,
 )
 from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, WAY_OUT, DiskIndex
+from .disk_plan import SpillJob, SpillPlanner
 from .disk_read import PageReader
 from .disk_slots import SlotPool
 from .disk_spill import SpillPipeline
@@ -262,7 +262,10 @@ class DiskStore:
     def _start_threads(self) -> None:
         cfg = self.config
         num_blocks = max(2, cfg.staging_bytes // self.page_bytes)
-        need = (num_blocks + 2 * cfg.read_threads) * self.page_bytes
+        largest = max(g.slot_bytes for g in self._geoms)
+        need = num_blocks * self.page_bytes + PageReader.buffer_bytes(
+            self.page_bytes, largest, cfg.read_threads
+        )
         available = mem_available_bytes()
         if available is not None and need > available:
             raise CapacityError(
@@ -273,6 +276,15 @@ class DiskStore:
         self._events = Events()
         self._state_lock = threading.Lock()
         staging = Staging([g.slot_bytes for g in self._geoms], num_blocks)
+        # Half the staging per batch: the gather thread fills the next while one is written.
+        self._planner = SpillPlanner(
+            self.pool,
+            self.high_slots,
+            self.low_slots,
+            max(1, num_blocks // 2),
+            self.counters,
+            self._warn,
+        )
         assert self._index is not None
         self._spill = SpillPipeline(
             self.namespace,
@@ -280,13 +292,11 @@ class DiskStore:
             self._slabs,
             self._index,
             self.pool,
+            self._planner,
             self._state_lock,
             self.counters,
             self._events,
             staging,
-            self.high_slots,
-            self.low_slots,
-            cfg.max_tickets,
             self._warn,
             write_threads=cfg.write_threads,
             io_timeout_s=cfg.io_timeout_s,
@@ -298,12 +308,13 @@ class DiskStore:
             self._index,
             self.counters,
             self._warn,
-            drop=lambda h, slot: self._spill.send("drop", h, slot),
-            touch=self.touch,
+            drop=self._spill.drop,
+            wait_written=lambda hashes: self._wait_written(hashes, cfg.io_timeout_s),
+            locate=self._locate,
             read_threads=cfg.read_threads,
             io_timeout_s=cfg.io_timeout_s,
         )
-        self._reloads: queue.Queue[_ReloadJob] = queue.Queue(maxsize=cfg.max_tickets)
+        self._reloads: queue.Queue[_ReloadJob] = queue.Queue()  # bounded: max_tickets
         self._reload_thread = threading.Thread(
             target=self._spill._guard,
             args=(self._reload_loop,),
@@ -337,12 +348,29 @@ class DiskStore:
                 f"page hashes are {HASH_BYTES} bytes (page_hash.page_hashes), got {bad[0]!r}"
             )
 
-    def _take_ticket(self) -> bool:
-        with self._events.cond:
-            if self._closed or self._open_tickets >= self.config.max_tickets:
+    def _take_ticket(self, reload: bool) -> bool:
+        """Admit one more job. With ``max_tickets`` jobs running, wait for one to finish
+        (back-pressure: the caller waits for a disk that falls behind, so what runs never
+        depends on how fast it drains); refuse only when closed, after a thread crashed, or
+        when none finished within ``io_timeout_s`` (a disk that stopped answering: a fault)."""
+        ev = self._events
+        with ev.cond:
+            ev.cond.wait_for(
+                lambda: (
+                    self._closed
+                    or self._spill.crash is not None
+                    or ev.running < self.config.max_tickets
+                ),
+                self.config.io_timeout_s,
+            )
+            if (
+                self._closed
+                or self._spill.crash is not None
+                or ev.running >= self.config.max_tickets
+            ):
                 return False
             self._open_tickets += 1
-            self._events.running += 1
+            ev.start(reload)
             return True
 
     def spill(
@@ -350,23 +378,29 @@ class DiskStore:
     ) -> bool:
         """Spill ``(page hash, host slot, hits)`` pages in this order, asynchronously.
 
-        Returns False when refused (``max_tickets`` in flight, or closed): nothing was queued and
-        the host slots are the caller's again. Otherwise ``poll()`` reports the ticket twice:
+        Waits while ``max_tickets`` jobs are running; returns False when refused (closed, or
+        no job finished within ``io_timeout_s``): nothing was queued and the host slots are the
+        caller's again. Otherwise ``poll()`` reports the ticket twice:
         in ``released`` once the host slots are copied (keep them pinned until then), and in
         ``spilled`` when every page is durable, failed, or skipped (hits < ``min_hits``).
         """
         self._raise_crash()
         self._check_hashes([h for h, _, _ in pages])
         self._check_host_pool(host_pool, [slot for _, slot, _ in pages])
-        if not self._take_ticket():
+        if not self._take_ticket(reload=False):
             self.counters.add(spills_refused=1)
             return False
         admit = [(h, slot) for h, slot, hits in pages if hits >= self.config.min_hits]
         skipped = [h for h, _, hits in pages if hits < self.config.min_hits]
         self.counters.add(spills=1, skipped_admission=len(skipped))
         job = SpillJob(ticket, admit, host_pool, skipped)
-        ok = self._spill.submit(job)
-        assert ok, "the job queue holds max_tickets, as many as may be open"
+        with self._state_lock:
+            collects = self._planner.would_collect(len(admit)) and self.pool.num_writing > 0
+        if collects:  # GC picks among pages on disk: let those in flight land first
+            self._wait_written(None, self.config.io_timeout_s)
+        with self._state_lock:  # the plan, in call order: what GC takes, which slot each gets
+            self._planner.plan(job)
+            self._spill.submit(job)
         return True
 
     def poll(self) -> DiskPoll:
@@ -396,10 +430,42 @@ class DiskStore:
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every accepted spill and reload finished; False if ``timeout_s`` ran out."""
+        return self.wait(timeout_s, spills_writing=0)
+
+    def wait(self, timeout_s: float, spills_writing: int) -> bool:
+        """Wait until every accepted reload finished, every accepted spill released its host
+        slots, and at most ``spills_writing`` spills are still being written (``flush``: 0);
+        False if ``timeout_s`` ran out. A spill's pages count as on disk for lookups and reads
+        from the moment it is accepted (a read of a page still being written waits for it), so
+        a caller that waits here sees the same store however fast the disk is."""
         ev = self._events
+
+        def quiet() -> bool:
+            writing = ev.running - ev.reloading - ev.unreleased
+            return ev.reloading == 0 and ev.unreleased == 0 and writing <= spills_writing
+
         with ev.cond:  # a crashed thread finishes nothing more: no use waiting for it
-            ev.cond.wait_for(lambda: ev.running == 0 or self._spill.crash is not None, timeout_s)
-            return ev.running == 0
+            ev.cond.wait_for(lambda: quiet() or self._spill.crash is not None, timeout_s)
+            return quiet()
+
+    def _wait_written(self, page_hashes: Sequence[bytes] | None, timeout_s: float) -> bool:
+        """Wait until none of ``page_hashes`` (None: no page at all) is being written; False
+        if ``timeout_s`` ran out."""
+        ev = self._events
+
+        def written() -> bool:
+            with self._state_lock:
+                if page_hashes is None:
+                    return self.pool.num_writing == 0
+                return all(self.pool.writing_slot(h) is None for h in page_hashes)
+
+        with ev.cond:
+            return (
+                bool(
+                    ev.cond.wait_for(lambda: written() or self._spill.crash is not None, timeout_s)
+                )
+                and written()
+            )
 
     def _raise_crash(self) -> None:
         if not self._closed and self._spill.crash is not None:
@@ -408,25 +474,28 @@ class DiskStore:
     # -- lookup and read -------------------------------------------------------------------------
 
     def lookup(self, page_hashes: Sequence[bytes]) -> int:
-        """How many of ``page_hashes``, from the first, have every payload on disk (index only;
-        0 once closed)."""
+        """How many of ``page_hashes``, from the first, have every payload on disk as far as the
+        plans go (0 once closed): live pages and those being written count, GC's victims do
+        not, whether or not the writer got there yet. The slot pool answers: it holds exactly
+        the index's pages (rebuilt from it at start, changed only after the index commits) plus
+        the plans, so no slab or index I/O. A read still confirms each page with the index."""
         self._check_hashes(page_hashes)
         if self._closed or self._index is None:
             return 0
-        try:
-            return self._index.leading(
-                self.namespace.digest, self.rank, page_hashes, len(self._slabs)
-            )
-        except lmdb.Error as err:  # a damaged index: a miss, counted, never a crash
-            self.counters.add(index_errors=1)
-            self._warn.warn("index", f"cannot read the disk index: {err}")
-            return 0
+        with self._state_lock:
+            return self.pool.leading(page_hashes)
+
+    def _locate(self, page_hashes: Sequence[bytes]) -> list[int | None]:
+        """The reader's look at the slot pool: each live page's slot (None where absent or
+        still being written)."""
+        with self._state_lock:
+            return [self.pool.slot_of(h) for h in page_hashes]
 
     def touch(self, page_hashes: Sequence[bytes]) -> None:
-        """Mark pages recently used (for GC); best effort."""
-        for h in page_hashes:
-            if not self._spill.send("touch", h):
-                self.counters.add(touches_dropped=1)
+        """Mark pages recently used (GC takes the least recently used first), at once: the
+        next spill's plan sees it. The index learns it at close."""
+        with self._state_lock:
+            self._planner.touch(page_hashes)
 
     def read(
         self, page_hashes: Sequence[bytes], host_pool: HostPool, host_slots: Sequence[int]
@@ -437,7 +506,8 @@ class DiskStore:
         stops at the first page that is absent or fails verification (the prefix past it is
         unusable), so later pages are False unless they were read alongside it; a failed page is
         counted and dropped from the index. A page is copied to its host slot only after it
-        verified, so a False page leaves its slot as it was.
+        verified, so a False page leaves its slot as it was. The pages count as accessed when
+        the call is made (:meth:`touch`).
         """
         if len(page_hashes) != len(host_slots):
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
@@ -445,6 +515,7 @@ class DiskStore:
         self._check_host_pool(host_pool, host_slots)
         if self._closed:
             return [False] * len(page_hashes)
+        self.touch(page_hashes)
         return self._reader.read(page_hashes, host_pool, host_slots)
 
     def reload(
@@ -455,15 +526,16 @@ class DiskStore:
         host_slots: Sequence[int],
     ) -> bool:
         """:meth:`read` on the reader thread; ``poll()`` reports ``ReloadDone(ticket, ok)``.
-        Returns False when refused (``max_tickets`` in flight, or closed)."""
+        Waits and refuses as :meth:`spill` does."""
         self._raise_crash()
         if len(page_hashes) != len(host_slots):
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
         self._check_hashes(page_hashes)
         self._check_host_pool(host_pool, host_slots)
-        if not self._take_ticket():
+        if not self._take_ticket(reload=True):
             return False
         self.counters.add(reloads=1)
+        self.touch(page_hashes)  # accessed now, in call order, not when the read gets to it
         self._reloads.put_nowait(_ReloadJob(ticket, list(page_hashes), host_pool, list(host_slots)))
         return True
 
@@ -476,7 +548,7 @@ class DiskStore:
                     return
                 continue
             ok = (
-                self.read(job.hashes, job.host_pool, job.host_slots)
+                self._reader.read(job.hashes, job.host_pool, job.host_slots)
                 if not self._spill.stop.is_set()
                 else [False] * len(job.hashes)
             )
@@ -502,7 +574,9 @@ class DiskStore:
         Returns the problems found (empty when clean). Raises ``PoolInvariantError`` when the
         slot pool's own invariants are broken (a bug)."""
         assert self._index is not None
-        with self._state_lock:
+        # Between two of the writer's steps (it waits meanwhile): every slot an entry names holds
+        # what it held when the entry was committed.
+        with self._spill.io_lock, self._state_lock:
             self.pool.check()
             audit: GroupAudit = audit_group(
                 self._index, self.namespace.digest, self.rank, self._slabs, payload=payload, fix=fix
@@ -526,7 +600,7 @@ class DiskStore:
                         )
                         self.pool.remove(h)
             for h, slot in on_disk.items():
-                if h not in live:
+                if h not in live and self._planner.present(h):  # not a victim being deleted
                     problems.append(
                         Problem(
                             "indexed-not-live",
@@ -559,7 +633,23 @@ class DiskStore:
                 log.warning("disk tier: thread %s did not stop within %s s", t.name, timeout_s)
         self._reader.close()
         self._spill.shutdown()
+        self._save_touches()
         self._release_files()
+
+    def _save_touches(self) -> None:
+        """Bring the index's last_access up to the accesses made since (one commit), so that
+        a ``load`` start keeps the LRU order."""
+        if self._index is None or self._spill.crash is not None:
+            return
+        with self._state_lock:
+            pages = self._planner.touched()
+        if not pages:
+            return
+        try:
+            self._index.touch_pages(self.namespace.digest, self.rank, pages, len(self._slabs))
+        except lmdb.Error as err:
+            self.counters.add(index_errors=1)
+            self._warn.warn("index", f"cannot record page accesses in the index: {err}")
 
     def _release_files(self) -> None:
         for slab in self._slabs:

@@ -89,7 +89,6 @@ class DiskView:
                 self.counters,
                 self._warn,
                 drop=lambda _h, _slot: None,  # the writer drops what fails
-                touch=lambda _hashes: None,  # the writer keeps the LRU
                 read_threads=self.read_threads,
                 io_timeout_s=self.io_timeout_s,
             )

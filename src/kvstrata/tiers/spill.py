@@ -39,6 +39,9 @@ if TYPE_CHECKING:  # the shared tier needs the remote extra (redis) only when it
     from .remote.tier import RemotePages
 
 IntArray = npt.NDArray[np.int64]
+#: Spills the engine lets the store still be writing when a step settles: their fdatasync and
+#: index commit overlap the next steps' compute instead of stalling each step.
+SPILLS_WRITING = 4
 
 
 @dataclass
@@ -51,6 +54,8 @@ class DiskStatsView:
     reloads: int = 0
     reloaded_pages: int = 0
     reload_misses: int = 0  # pages the index had but that did not read back verified
+    reloads_refused: int = 0  # reloads the store refused (closed, or its disk stopped answering)
+    reload_refused_pages: int = 0  # their pages (not misses: they were never read)
     hit_tokens: int = 0  # tokens requests got from disk (then loaded back like host hits)
 
 
@@ -72,6 +77,7 @@ class _Reload:
     rid: int
     first_hash: bytes  # the content address of its first page
     ok: tuple[bool, ...] = ()
+    refused: bool = False  # the store refused it: nothing was read
 
 
 @dataclass
@@ -87,6 +93,7 @@ class DiskTier:
     stats: DiskStatsView = field(default_factory=DiskStatsView)
     _spills: dict[int, list[Node]] = field(default_factory=dict)  # ticket -> host-locked nodes
     _reloads: dict[int, _Reload] = field(default_factory=dict)
+    _written_since: bool = False  # a spill was handed to the store since the last wait
 
     # -- spill -----------------------------------------------------------------------------------
 
@@ -120,16 +127,21 @@ class DiskTier:
             self.ledger.finish(ticket, ok=False, error="the disk store refused the spill")
             return
         self.stats.spills += 1
+        self._written_since = True
 
     def wait_in_flight(self, timeout_s: float) -> float:
-        """Block until every spill and reload handed to the store has finished (the engine's
-        fixed point: what the disk does between two steps is then the same on every run, however
-        fast it is); the seconds waited. A disk that does not finish within ``timeout_s`` stops
-        the run: its reader may still write into host pages, which must not be reused."""
-        if not self._spills and not self._reloads:
+        """Block until every reload handed to the store has finished and every spill has
+        released its host pages, with at most :data:`SPILLS_WRITING` spills still being written
+        (the engine's fixed point: what the disk does between two steps is then the same on
+        every run, however fast it is; pages being written already count as on disk, and a read
+        of one waits for it); the seconds waited. A disk that does not get there within
+        ``timeout_s`` stops the run: its reader may still write into host pages, which must not
+        be reused."""
+        if not self._spills and not self._reloads and not self._written_since:
             return 0.0
         t0 = time.perf_counter()
-        if not self.store.flush(timeout_s):
+        self._written_since = False
+        if not self.store.wait(timeout_s, spills_writing=SPILLS_WRITING):
             raise DiskStoreError(
                 f"rank {self.rank}: the disk tier's I/O did not finish within {timeout_s:g} s "
                 f"({len(self._spills)} spills, {len(self._reloads)} reloads in flight); the disk "
@@ -193,6 +205,7 @@ class DiskTier:
             key.prefix((first + count) * P), cached_len, host_pages, parent, rid, hashes[first]
         )
         if not self.store.reload(ticket, mine, self.host_pool, host_pages[own] // cp):
+            self._reloads[ticket].refused = True
             self.ledger.finish(ticket, ok=False, error="the disk store refused the reload")
         return ticket
 
@@ -249,8 +262,12 @@ class DiskTier:
             keep = rec.host_pages.size if ok else 0
         else:
             keep = rec.host_pages.size if verified >= own.size else int(own[verified])
-        self.stats.reloads += 1
-        self.stats.reload_misses += rec.host_pages.size - keep
+        if rec.refused:
+            self.stats.reloads_refused += 1
+            self.stats.reload_refused_pages += rec.host_pages.size - keep
+        else:
+            self.stats.reloads += 1
+            self.stats.reload_misses += rec.host_pages.size - keep
         # The tree must still hold exactly the cached part (nothing lost, nothing added since).
         if keep == 0 or tree.match_length(rec.key) != rec.cached_len:
             self.host_allocator.free(rec.host_pages)

@@ -71,6 +71,13 @@ class RemotePages:
     def flush(self, timeout_s: float) -> bool:
         return self.remote.flush(timeout_s)
 
+    def wait(self, timeout_s: float, spills_writing: int) -> bool:
+        """The engine's fixed point (``DiskStore.wait``). The shared store's lookups see a page
+        only once its write landed, so every publish must finish whatever ``spills_writing``
+        allows the disk: the same store at every step, however fast the server is."""
+        del spills_writing
+        return self.remote.flush(timeout_s)
+
     def stats(self) -> RemoteStats:
         return self.remote.stats()
 

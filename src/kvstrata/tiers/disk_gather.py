@@ -1,0 +1,148 @@
+"""The gather thread of the disk tier's spill pipeline: host pool pages into aligned staging.
+
+Per planned job (``disk_plan.py``), in submission order: announce it to the writer (``Begin``:
+it deletes the job's victims first), then copy each page to write from the host pool into a
+staging block, CRC it and write its slot headers, hand them on in chunks of about
+:data:`CHUNK_BYTES` (``Chunk``) and mark each batch's end (``Commit``); post RELEASED(ticket)
+once the job's last page is copied, so the caller unpins its host slots before any disk I/O. A
+page an earlier write brings to disk is handed on uncopied (slot -1). Drops (pages a read found
+bad) pass through in order with the jobs. After stop, the jobs never announced end as failed
+(their slots free and their victims live again: nothing was written or deleted for them).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import NamedTuple
+
+from .disk_buffers import Staging, host_pages
+from .disk_events import POLL_S, Events
+from .disk_format import SLOT_HEADER_BYTES, SlotHeader, crc32c
+from .disk_plan import SpillJob, SpillPlanner
+from .disk_slots import SlotPool
+from .page_hash import Namespace
+
+
+class Begin(NamedTuple):
+    job: SpillJob
+
+
+class Staged(NamedTuple):
+    job: SpillJob
+    page_hash: bytes
+    slot: int  # -1: a page an earlier write brings to disk
+    block: int | None  # its staging block; None: not copied (the store is closing)
+
+
+class Chunk(NamedTuple):
+    """Staged pages of one batch, handed to the writer together."""
+
+    pages: list[Staged]
+
+
+#: Bytes of staged pages the gather thread hands on at a time (fewer, larger writer steps).
+CHUNK_BYTES = 8 << 20
+
+
+class Commit(NamedTuple):
+    job: SpillJob
+
+
+class Drop(NamedTuple):
+    page_hash: bytes
+    slot: int
+
+
+class Gatherer:
+    """The gather thread's work (module docstring); ``loop`` runs on that thread."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        staging: Staging,
+        pool: SlotPool,
+        planner: SpillPlanner,
+        state_lock: threading.Lock,
+        events: Events,
+        stop: threading.Event,
+    ) -> None:
+        self.staging, self.pool, self.planner = staging, pool, planner
+        self.state_lock, self.events, self.stop = state_lock, events, stop
+        self.num_payloads = len(namespace.payloads)
+        self.payload_len = [namespace.payload_bytes(k) for k in range(self.num_payloads)]
+        self.jobs: queue.Queue[SpillJob | Drop] = queue.Queue()  # bounded by the tickets
+        # bounded by the staging blocks (a batch holds at most half of them)
+        self.staged: queue.Queue[Begin | Chunk | Commit | Drop] = queue.Queue()
+        self.chunk_pages = max(1, CHUNK_BYTES // staging.block_bytes)
+
+    def loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                job = self.jobs.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if isinstance(job, Drop):
+                self.staged.put_nowait(job)
+            else:
+                self._gather(job)
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """After stop: jobs never announced end as failed, their slots free again and their
+        victims live again (nothing was written or deleted for them); drops still go ahead."""
+        left: list[SpillJob] = []
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Drop):  # still carried out: the writer outlives this thread
+                self.staged.put_nowait(job)
+            else:
+                left.append(job)
+        with self.state_lock:
+            for job in left:
+                for batch in job.batches:
+                    for h, _, slot in batch:
+                        if slot >= 0:
+                            self.pool.release(h)
+            for job in reversed(left):
+                self.planner.victims_kept(job)
+        for job in left:
+            with self.events.cond:
+                job.pending = 0
+                job.failed.extend(h for batch in job.batches for h, _, _ in batch)
+            self.events.release(job)
+
+    def _gather(self, job: SpillJob) -> None:
+        self.staged.put_nowait(Begin(job))
+        writes = sum(1 for batch in job.batches for *_, slot in batch if slot >= 0)
+        pages = host_pages(job.host_pool) if writes else None
+        copied = 0
+        for batch in job.batches:
+            chunk: list[Staged] = []
+            for h, host_slot, slot in batch:
+                if slot < 0:
+                    chunk.append(Staged(job, h, -1, None))
+                    continue
+                block = None if self.stop.is_set() else self.staging.acquire(self.stop)
+                if block is not None:
+                    assert pages is not None
+                    for kind in range(self.num_payloads):
+                        self.staging.gather(block, kind, pages.extents(kind, host_slot))
+                        view = self.staging.slot(block, kind)
+                        body = view[SLOT_HEADER_BYTES : SLOT_HEADER_BYTES + self.payload_len[kind]]
+                        SlotHeader(kind, h, self.payload_len[kind], crc32c(body)).pack_into(view)
+                copied += 1
+                if copied == writes:
+                    self.events.release(job)  # before the last page reaches the writer
+                chunk.append(Staged(job, h, slot, block))
+                if len(chunk) >= self.chunk_pages:
+                    self.staged.put_nowait(Chunk(chunk))
+                    chunk = []
+            if chunk:
+                self.staged.put_nowait(Chunk(chunk))
+            self.staged.put_nowait(Commit(job))
+        if not job.released:
+            self.events.release(job)

@@ -1,0 +1,169 @@
+"""The disk tier's decisions, made when a spill is submitted: a pure function of the calls.
+
+Every structural choice of the spill pipeline is settled here, on the caller's thread, under
+the store's state lock, in the order the calls come (spills, reads, touches), before any thread
+touches the disk::
+
+    spill job  ─▶ plan():  for each admitted page, in order
+                   on disk already (live)        -> touched, durable at once
+                   being written by earlier work -> resolved when that write commits
+                   else: GC first if one more slot would pass the high watermark (the least
+                         recently used live pages, down to the low watermark: the victims),
+                         then a free slot, the newest in LRU order
+                 batches: runs of at most ``batch_pages`` written pages (one fdatasync per slab
+                 and one index commit each)
+    read / touch ─▶ touch(): live pages become the most recently used, in memory
+
+The writer thread only executes plans, in submission order: it deletes a job's victims' index
+entries (one commit), writes its pages, syncs, publishes each batch (one commit). So the batch
+boundaries, GC's victims and the slot of every page are the same on every run, however fast the
+disk drains its queue. A victim's slot may be planned for a new page at once: the writes of that
+job and of every later one run after the victims' entries are deleted, which is what keeps a
+slot from being rewritten while an index entry names it. Until the deletion commits the victims
+are still in the index; ``pending`` lists them so that lookups already miss them.
+
+An access moves a page in the in-memory LRU at once; its ``last_access`` in the index is brought
+up to date only when the store closes (``dirty``): a lost touch only changes the order GC takes
+pages in after a crash, never what a read returns, and keeps accesses from rewriting the index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .disk_events import Counters, RateLimitedLog
+from .disk_slots import SlotPool
+from .host_pool import HostPool
+
+
+@dataclass(eq=False)
+class SpillJob:
+    """One spill ticket: its pages, its plan, and where each page ended."""
+
+    ticket: int
+    pages: list[tuple[bytes, int]]  # (page hash, host slot) admitted, in spill order
+    host_pool: HostPool
+    skipped: list[bytes]  # under min_hits
+    # The plan: (page hash, host slot, disk slot) to write, in batches; disk slot -1 for a page
+    # an earlier write is bringing to disk (it is as durable as that write).
+    batches: list[list[tuple[bytes, int, int]]] = field(default_factory=list)
+    victims: list[tuple[bytes, int, int]] = field(default_factory=list)  # (hash, slot, last)
+    durable: list[bytes] = field(default_factory=list)
+    failed: list[bytes] = field(default_factory=list)
+    pending: int = 0  # planned pages not finished
+    released: bool = False
+
+
+class SpillPlanner:
+    """Plans spills and applies touches on one store's slot pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        pool: SlotPool,
+        high_slots: int,
+        low_slots: int,
+        batch_pages: int,
+        counters: Counters,
+        warn: RateLimitedLog,
+    ) -> None:
+        assert 0 < low_slots < high_slots <= pool.num_slots and batch_pages >= 1
+        self.pool, self.high_slots, self.low_slots = pool, high_slots, low_slots
+        self.batch_pages, self.counters, self.warn = batch_pages, counters, warn
+        #: victims whose index entries are not deleted yet: page hash -> its old slot
+        self.pending: dict[bytes, int] = {}
+        #: pages accessed since their index entry was written (or planned): page hash -> slot
+        self.dirty: dict[bytes, int] = {}
+
+    def plan(self, job: SpillJob) -> None:
+        """Decide the fate of every page of ``job`` (module docstring); fills its plan, its
+        durable pages (those on disk already) and failed ones (no slot even after GC)."""
+        pool = self.pool
+        present = full = written = 0
+        batch: list[tuple[bytes, int, int]] = []
+        for h, host_slot in job.pages:
+            if (found := pool.touch(h)) is not None:  # on disk already: counts as an access
+                self.dirty[h] = found[0]
+                present += 1
+                if pool.writing_slot(h) is None:
+                    job.durable.append(h)
+                    continue
+                batch.append((h, host_slot, -1))  # in flight: as durable as that write
+            else:
+                self._collect(job)
+                slot = pool.alloc(h)
+                if slot is None:
+                    full += 1
+                    job.failed.append(h)
+                    continue
+                batch.append((h, host_slot, slot))
+                written += 1
+                if written % self.batch_pages == 0:
+                    job.batches.append(batch)
+                    batch = []
+        if batch:
+            job.batches.append(batch)
+        job.pending = sum(len(b) for b in job.batches)
+        self.counters.add(pages_present=present, skipped_full=full)
+        if full:
+            self.warn.warn("full", "no free disk slot even after GC; a spill was skipped")
+
+    def _collect(self, job: SpillJob) -> None:
+        """GC before one more page is written: past the high watermark, free the least recently
+        used live pages down to the low watermark (they become ``job``'s victims)."""
+        pool = self.pool
+        used = pool.num_used
+        if used + 1 <= self.high_slots:
+            return
+        for h, slot in pool.coldest(used - self.low_slots):
+            last = pool.last_access(h)
+            pool.remove(h)
+            self.dirty.pop(h, None)
+            self.pending[h] = slot
+            job.victims.append((h, slot, last))
+        pool.sort_free()
+
+    def would_collect(self, new_pages: int) -> bool:
+        """Whether writing ``new_pages`` more pages may make a plan collect garbage."""
+        return self.pool.num_used + new_pages > self.high_slots
+
+    def touch(self, page_hashes: Iterable[bytes]) -> None:
+        """Accesses: pages among ``page_hashes`` that are on disk or being written become the
+        most recently used."""
+        for h in page_hashes:
+            found = self.pool.touch(h)
+            if found is not None:
+                self.dirty[h] = found[0]
+
+    def present(self, page_hash: bytes) -> bool:
+        """Whether a page the index holds is still there as far as the plans go (GC may have
+        picked it in a plan the writer has not carried out yet)."""
+        return page_hash not in self.pending
+
+    def victims_deleted(self, job: SpillJob) -> None:
+        """The writer deleted ``job``'s victims' entries: lookups see the index alone again."""
+        for h, slot, _ in job.victims:
+            if self.pending.get(h) == slot:
+                del self.pending[h]
+
+    def victims_kept(self, job: SpillJob) -> set[int]:
+        """Deleting ``job``'s victims' entries failed: they are live again where their slots
+        are still free; returns the slots planned for new pages meanwhile, which must not be
+        written (an entry still names them)."""
+        self.victims_deleted(job)
+        unsafe: set[int] = set()
+        for h, slot, last in job.victims:
+            if not self.pool.take_back(h, slot, last) and self.pool.slot_of(h) is None:
+                unsafe.add(slot)
+        return unsafe
+
+    def touched(self) -> list[tuple[bytes, int, int]]:
+        """``(page hash, slot, last_access)`` of live pages whose index entry is older than the
+        pool's, and forget them (the caller writes them)."""
+        out = [
+            (h, slot, self.pool.last_access(h))
+            for h, slot in self.dirty.items()
+            if self.pool.slot_of(h) == slot
+        ]
+        self.dirty.clear()
+        return out
