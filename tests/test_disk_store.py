@@ -23,7 +23,7 @@ from disk_rig import (
 
 from kvstrata.config import KVLayout, PayloadSpec
 from kvstrata.errors import ConfigError, DiskFormatError, DiskStoreError
-from kvstrata.tiers import disk_store as disk_store_module
+from kvstrata.tiers import disk_open
 from kvstrata.tiers.disk_format import probe_direct_io
 from kvstrata.tiers.disk_store import DiskConfig, DiskStore
 from kvstrata.tiers.host_pool import HOST_LAYOUTS, HostLayout
@@ -292,9 +292,7 @@ def test_load_refuses_a_slab_of_another_geometry(tmp_path: Path) -> None:
 def test_direct_io_mode_choice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(
-        disk_store_module, "probe_direct_io", lambda d: "O_DIRECT open failed: EINVAL"
-    )
+    monkeypatch.setattr(disk_open, "probe_direct_io", lambda d: "O_DIRECT open failed: EINVAL")
     with pytest.raises(DiskStoreError, match="O_DIRECT is unavailable"):
         open_store(tmp_path, io_mode="direct")
     with (

@@ -26,7 +26,6 @@ index, so the host pool never receives bytes that are not the page's own.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -46,10 +45,7 @@ from .disk_config import (
 )
 from .disk_dir import (
     SLAB_DIR,
-    TEMP_NAME,
-    group_name,
     index_dir,
-    list_groups,
     prepare_root,
     remove_index,
 )
@@ -65,14 +61,13 @@ from .disk_events import (
 from .disk_format import (
     ALIGN,
     CRC32C_HARDWARE,
-    NO_SUPERBLOCK,
     RankLock,
     SlabFile,
     SlabGeometry,
     lock_path,
-    probe_direct_io,
 )
 from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, WAY_OUT, DiskIndex
+from .disk_open import choose_io, open_clear, open_load, remove_temps
 from .disk_plan import SpillJob, SpillPlanner
 from .disk_read import PageReader
 from .disk_slots import SlotPool
@@ -141,8 +136,8 @@ class DiskStore:
         self._slabs: list[SlabFile] = []
         self._index: DiskIndex | None = None
         try:
-            self._remove_temps(slab_dir)
-            self.io_mode = self._choose_io(slab_dir)
+            remove_temps(slab_dir, self._geoms)
+            self.io_mode = choose_io(self.config.io_mode, slab_dir)
             entries = num_slots * num_payloads
             path = index_dir(config.root, namespace.digest, rank)
             if config.start == "clear" and path.exists():
@@ -162,89 +157,15 @@ class DiskStore:
 
     # -- start -----------------------------------------------------------------------------------
 
-    def _choose_io(self, slab_dir: Path) -> str:
-        if self.config.io_mode == "buffered":
-            return "buffered"
-        why = probe_direct_io(slab_dir)
-        if why is None:
-            return "direct"
-        if self.config.io_mode == "direct":
-            raise DiskStoreError(
-                f"O_DIRECT is unavailable in {slab_dir} ({why}); use a filesystem that supports "
-                "it or the buffered I/O mode"
-            )
-        log.warning(
-            "disk tier: O_DIRECT unavailable in %s (%s); using buffered I/O + fdatasync",
-            slab_dir,
-            why,
-        )
-        return "buffered"
-
-    def _remove_temps(self, slab_dir: Path) -> None:
-        """Slabs whose creation a killed process of this group left half-made (under the lock:
-        nobody else creates this group's files)."""
-        ours = {g.file_name() for g in self._geoms}
-        for name in os.listdir(slab_dir):
-            m = TEMP_NAME.match(name)
-            if m is not None and m["final"] in ours:
-                (slab_dir / name).unlink(missing_ok=True)
-
-    def _check_room(self, slab_dir: Path, reuse: list[bool]) -> None:
-        need = sum(g.file_bytes for g, kept in zip(self._geoms, reuse, strict=True) if not kept)
-        st = os.statvfs(slab_dir)
-        have = st.f_bavail * st.f_frsize
-        for g, kept in zip(self._geoms, reuse, strict=True):
-            if not kept and os.path.lexists(slab_dir / g.file_name()):
-                have += os.lstat(slab_dir / g.file_name()).st_blocks * 512
-        if need > have:
-            mine = group_name(self.namespace.digest, self.rank)
-            others = [(g.nbytes(), g.name) for g in list_groups(self.config.root) if g.name != mine]
-            stale = ""
-            if others:
-                listed = ", ".join(f"{n} {b / 2**30:.2f} GiB" for b, n in sorted(others)[::-1][:4])
-                stale = (
-                    f"; other namespaces and ranks take {sum(b for b, _ in others) / 2**30:.2f} "
-                    f"GiB there ({listed}): 'kvstrata disk gc {self.config.root}' removes those "
-                    "not in use"
-                )
-            raise DiskStoreError(
-                f"the disk tier needs {need / 2**30:.2f} GiB in {slab_dir}, which has "
-                f"{have / 2**30:.2f} GiB free{stale}; lower the disk budget or free space"
-            )
-
     def _start_clear(self, slab_dir: Path) -> None:
-        reuse = []
-        for g in self._geoms:
-            found, size = SlabFile.read_geometry(slab_dir / g.file_name())
-            reuse.append(found == g and size >= g.file_bytes)
-        self._check_room(slab_dir, reuse)
-        direct = self.io_mode == "direct"
-        for g, kept in zip(self._geoms, reuse, strict=True):
-            path = slab_dir / g.file_name()
-            self._slabs.append(
-                SlabFile(path, g, direct) if kept else SlabFile.create(path, g, direct)
-            )
+        open_clear(self.config.root, slab_dir, self._geoms, self.io_mode == "direct", self._slabs)
         assert self._index is not None
         self._index.clear(self.namespace.digest, self.rank)
 
     def _start_load(self, slab_dir: Path) -> None:
-        direct = self.io_mode == "direct"
-        # A slab without a superblock (an older kvstrata killed while creating it) holds nothing:
-        # it counts as absent and is created again.
-        exists = [
-            os.path.lexists(slab_dir / g.file_name())
-            and SlabFile.read_geometry(slab_dir / g.file_name())[0] != NO_SUPERBLOCK
-            for g in self._geoms
-        ]
-        self._check_room(slab_dir, exists)
-        for g, found in zip(self._geoms, exists, strict=True):
-            path = slab_dir / g.file_name()
-            if found:
-                slab, truncated = SlabFile.open_existing(path, g, direct)
-                self.counters.add(load_truncated=int(truncated))
-            else:
-                slab = SlabFile.create(path, g, direct)
-            self._slabs.append(slab)
+        root, direct = self.config.root, self.io_mode == "direct"
+        truncated = open_load(root, slab_dir, self._geoms, direct, self._slabs)
+        self.counters.add(load_truncated=truncated)
         assert self._index is not None
         try:
             audit = audit_group(
