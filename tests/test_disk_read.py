@@ -4,14 +4,24 @@ runs of consecutive slots; with one page a run, six runs are in flight at once."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from disk_rig import expected_page, hashes, host_pool, open_store, read_page, spill_all
+from disk_rig import (
+    expected_page,
+    hashes,
+    host_pool,
+    open_store,
+    patch_slot_io,
+    read_page,
+    spill_all,
+    write_page,
+)
 
 from kvstrata.tiers import disk_read
-from kvstrata.tiers.disk_format import ALIGN, SLOT_HEADER_BYTES
+from kvstrata.tiers.disk_format import ALIGN, SLOT_HEADER_BYTES, SlabFile
 
 
 @pytest.mark.parametrize("run_pages", [1, 12])
@@ -45,3 +55,36 @@ def test_a_failed_page_in_a_long_read_reports_every_other_page_as_its_own(
             assert not ok[11] and read_page(dst, 31) == sentinel
         else:  # one run: every other page was read alongside the bad one, and is its own
             assert ok == [True] * 5 + [False] + [True] * 6
+
+
+def test_a_timed_out_read_never_writes_into_its_host_slots_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run stuck past io_timeout_s and then landing must not copy into host slots read()
+    reported False: the caller reuses them (found by review: the late copy wrote another
+    page's bytes into a slot the caller had filled)."""
+    pool = host_pool()
+    hs = hashes(4)
+    with open_store(tmp_path, io_timeout_s=0.3) as store:
+        spill_all(store, pool, hs, ticket=1)  # slots 0..3
+
+        def before(slab: SlabFile, slot: int) -> None:
+            if slot == 0:
+                raise OSError(5, "EIO")  # run 0 fails at once
+            if slot == 2 and slab.geometry.payload_kind == 0:
+                time.sleep(1.0)  # run 1 is stuck past io_timeout_s, then completes
+
+        patch_slot_io(monkeypatch, "read", before)
+        # The failed pages' drops queue behind the writer, which a stalling disk holds up too:
+        # held back here until the stuck run has landed (its index check still finds them).
+        held: list[tuple[bytes, int]] = []
+        real_drop = store._reader._drop
+        monkeypatch.setattr(store._reader, "_drop", lambda h, slot: held.append((h, slot)))
+        assert store.read([hs[0], hs[2]], pool, [10, 11]) == [False, False]
+        other = hashes(1, seed=99)[0]
+        write_page(pool, 11, other)  # the caller reuses host slot 11: read() said False
+        time.sleep(2.5)  # the stuck run lands
+        monkeypatch.undo()
+        for h, slot in held:
+            real_drop(h, slot)
+        assert read_page(pool, 11) == expected_page(pool, other)

@@ -45,6 +45,21 @@ RUN_BYTES = 4 << 20
 _Result = tuple[str, str] | None
 
 
+class _Gate:
+    """One read call's say over its host slots: a run copies into them only while the call
+    still waits for it. ``close`` (the call gives up or returns) waits for a copy under way and
+    turns every later one away, so a run that outlives its timeout never writes into host slots
+    the call reported False, which the caller may already reuse."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+
+
 class PageReader:
     """Reads one store's pages (``DiskStore.read`` validates the arguments first)."""
 
@@ -158,10 +173,12 @@ class PageReader:
         # the last pages read.
         pending: deque[tuple[int, int, Staging, concurrent.futures.Future[list[_Result]]]] = deque()
 
+        gate = _Gate()
+
         def submit(r: int, buf: Staging) -> None:
             start, n = runs[r]
             end = start + n
-            args = (hashes[start:end], slots[start:end], buf, pages, host_slots[start:end])
+            args = (hashes[start:end], slots[start:end], buf, pages, host_slots[start:end], gate)
             pending.append((start, n, buf, self._io.submit(self._load_run, *args)))
 
         for r, buf in enumerate(self._read_bufs[: len(runs)]):  # `depth` runs in flight
@@ -199,6 +216,7 @@ class PageReader:
                     collect(start, n, future.result(timeout=timeout))
                 except concurrent.futures.TimeoutError:
                     self._read_bufs = self._new_read_buffers()
+            gate.close()  # a run still going copies nothing from here on
             pages_read = sum(ok)
             self.counters.add(pages_read=pages_read, bytes_read=pages_read * self.page_bytes)
 
@@ -215,9 +233,11 @@ class PageReader:
         buf: Staging,
         pages: HostPages,
         host_slots: Sequence[int],
+        gate: _Gate,
     ) -> list[_Result]:
         """On a read thread: read a run's slots of every payload into ``buf``, verify each,
-        confirm them with the index, copy the good ones into their host slots."""
+        confirm them with the index, copy the good ones into their host slots (unless the call
+        gave up on the run meanwhile: ``gate``)."""
         n = len(hashes)
         results: list[_Result] = [None] * n
         checks: list[str | None] = [None] * n  # why a slot that was read does not check out
@@ -248,7 +268,13 @@ class PageReader:
                     results[b] = ("read_races", "the page was dropped while it was read")
             elif (why := checks[b]) is not None:
                 results[b] = ("verify_failures", why)
-            else:
+        with gate.lock:
+            for b in range(n):
+                if results[b] is not None:
+                    continue
+                if gate.closed:
+                    results[b] = ("read_errors", "the read gave up on it before it landed")
+                    continue
                 for k in range(len(self._slabs)):
                     buf.scatter(b, k, pages.extents(k, host_slots[b]))
         return results
