@@ -547,6 +547,7 @@ class DiskStore:
             )
         with self._events.cond:
             self._closed = True
+            self._events.cond.notify_all()  # a spill or reload waiting for a ticket is refused now
         self._spill.stop.set()
         for t in [*self._spill.threads, self._reload_thread]:
             t.join(timeout=timeout_s)
