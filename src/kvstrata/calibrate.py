@@ -332,16 +332,22 @@ def _calibrate(
         if rig is not None:
             for _ in range(2):
                 rig.run([rig.tokens(m // 4)] * 1 + [rig.tokens(m // 64)] * 4)
-    samples = []
-    for i, point in enumerate(points):
+    # Measured in a seeded shuffle of the design, so that a change of the machine's load during
+    # the run falls on fitted and held-back steps alike (in design order the held-back ones come
+    # last, and a busier end read as a 30 % error); the samples keep the design's order.
+    order = [int(i) for i in np.random.default_rng(seed).permutation(len(points))]
+    measured: dict[int, Sample] = {}
+    for n, i in enumerate(order):
+        point = points[i]
         rig = rigs[point.kind in ("backup", "load-back")]
         assert rig is not None
         runs = [rig.measure(point) for _ in range(repeats)]
         times = [t for _, t in runs]
         best = min(times)  # noise only ever adds time
-        samples.append(Sample(point, runs[0][0], best, (max(times) - best) / best))
+        measured[i] = Sample(point, runs[0][0], best, (max(times) - best) / best)
         if progress is not None:
-            progress(f"calibrate: step {i + 1} of {len(points)}: {point.kind} {best * 1e3:.1f} ms")
+            progress(f"calibrate: step {n + 1} of {len(points)}: {point.kind} {best * 1e3:.1f} ms")
+    samples = [measured[i] for i in range(len(points))]
     fit = [s for s in samples if not s.point.held_back]
     plain = [s for s in fit if s.point.kind in ("fresh", "prefix", "batch")]
     step_s, request_s, token_s, pair_s, prefix_s = _fit_compute(plain)
