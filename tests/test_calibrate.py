@@ -33,7 +33,9 @@ def test_cpu_profile_predicts_held_back_steps_within_25_percent() -> None:
     assert sum(held) / len(held) < 0.25, cal.table()
     p = cal.profile
     assert p.kind == "calibrated" and p.overlap == "serial" and p.token_s > 0
-    assert p.provenance.fit_error["held_back_mean"] == pytest.approx(sum(held) / len(held), 1e-3)
+    assert p.provenance.fit_error["held_back_mean"] == pytest.approx(
+        sum(held) / len(held), abs=1e-4
+    )  # kept to 4 places
     for s in cal.samples:  # the table's predictions are the profile's
         assert predict(p, s.work) > 0
 
