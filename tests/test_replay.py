@@ -165,6 +165,9 @@ def test_sigint_to_a_running_replay(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")},
+        # a suite started in the background (``pytest &``) hands its children SIGINT ignored, and
+        # Python then keeps it ignored: give the child the default disposition a terminal has
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stderr is not None
     for line in proc.stderr:  # stderr is a pipe, so progress comes as lines; the first says started
