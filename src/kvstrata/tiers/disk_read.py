@@ -11,16 +11,15 @@ queued while earlier runs are checked and copied, all off the caller's thread. A
 run reads its slots one at a time, so that only the pages that fail are lost.
 
 Where each page is comes from the store's slot pool (``locate``: no index read; a read-only
-:class:`~kvstrata.tiers.disk_view.DiskView` asks the index instead). A page whose entry is gone
-or names another slot after the read was dropped by GC meanwhile (the plan takes it from the
-pool before its entries go), which is counted as a ``read_race`` without a warning, unless the
-pool still holds it in that slot: then the index lost it, and it is a verify failure, dropped.
-A slot the index still vouches for that fails its check is a verify failure too.
+:class:`~kvstrata.tiers.disk_view.DiskView` asks the index instead). A page that no longer holds
+its slot after the read was dropped by GC meanwhile, which is counted as a ``read_race`` without
+a warning. A slot that still belongs to its page but fails its check is a verify failure, dropped.
 
-Why the index check after the read makes a verified page exact: GC deletes a page's entries
-before it frees the slot, and a slot is rewritten only once free; an entry that still names the
-slot after the read means nobody rewrote it during the read, except with the same page's bytes
-(content addressing), so no torn mix of two pages can pass, CRC collisions included.
+Why the check after the read makes a verified page exact: GC takes a page out of the slot pool,
+then deletes its entries, and only then is its slot rewritten; a page that still holds the slot
+after the read (in the pool for the store's own reader, in the index for a read-only view) means
+nobody rewrote it during the read, except with the same page's bytes (content addressing), so no
+torn mix of two pages can pass, CRC collisions included.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ class PageReader:
         self.counters, self._warn, self._drop = counters, warn, drop
         self._wait_written = wait_written
         #: Where each page is, as far as the store knows (its slot pool); None: ask the index.
-        #: Either way the index confirms every slot after it is read (module docstring).
+        #: The same source confirms every slot after it is read (module docstring).
         self._locate = locate
         self.read_threads, self.io_timeout_s = read_threads, io_timeout_s
         self.num_slots = slabs[0].geometry.num_slots
@@ -260,12 +259,7 @@ class PageReader:
             if still is None:
                 results[b] = ("read_errors", "the disk index cannot be read")
             elif not still[b]:
-                if self._locate is not None and self._locate([hashes[b]]) == [slots[b]]:
-                    # The store still holds it there but its entry is gone: damage, not GC.
-                    why = "the index no longer names the slot the store holds it in"
-                    results[b] = ("verify_failures", why)
-                else:
-                    results[b] = ("read_races", "the page was dropped while it was read")
+                results[b] = ("read_races", "the page was dropped while it was read")
             elif (why := checks[b]) is not None:
                 results[b] = ("verify_failures", why)
         with gate.lock:
@@ -306,7 +300,12 @@ class PageReader:
                 )
 
     def _still_name(self, hashes: Sequence[bytes], slots: Sequence[int]) -> list[bool] | None:
-        """Whether the index still names each page's slot (None: it cannot be read)."""
+        """Whether each page still holds its slot (None: the index cannot be read). The store's
+        own reader asks its slot pool, which lets a slot go before GC deletes its entries and
+        reuses it (the same order, earlier, and no index read per page); a read-only view asks
+        the index."""
+        if self._locate is not None:
+            return [n == s for n, s in zip(self._locate(hashes), slots, strict=True)]
         assert self._index is not None
         ns, num_payloads = self.namespace.digest, len(self._slabs)
         try:

@@ -13,7 +13,9 @@ gather thread (``disk_gather.py``) and the writer thread (here)::
         a job's start: delete its victims' index entries (one durable commit)
         a chunk: one vectored pwrite per payload slab for each run of consecutive slots
             (``write_threads`` runs in flight; plans hand out slots in ascending runs)
-        a batch's end: fdatasync every slab, then publish its pages (one durable commit)
+        a batch's end: fdatasync every slab, then publish its pages (one durable commit);
+            while more staged work is queued, up to GROUP_COMMIT_BATCHES ended batches share
+            that sync and commit (a GC delete or a drop first commits the batches before it)
         a drop (a page a read found bad): delete its entries (one commit)
         post SPILLED(ticket) when every page of a job is durable or failed
 
@@ -43,6 +45,11 @@ from .disk_index import DiskIndex
 from .disk_plan import SpillJob, SpillPlanner
 from .disk_slots import SlotPool
 from .page_hash import Namespace
+
+#: Batches whose end has come are synced and published together while more staged work waits
+#: (group commit: one fdatasync per slab and one index commit for all of them), up to this many.
+#: Which pages a spill writes and where is planned before; only when they become durable moves.
+GROUP_COMMIT_BATCHES = 16
 
 
 @dataclass(eq=False)
@@ -137,8 +144,14 @@ class SpillPipeline:
     # -- writer thread ---------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
-        batch = _Batch()
+        batch = _Batch()  # the batch being written
+        ended = _Batch()  # batches whose end came, not committed yet: synced and published together
+        num_ended = 0
         while True:
+            if num_ended and (self.staged.empty() or num_ended >= GROUP_COMMIT_BATCHES):
+                with self.io_lock:
+                    self._commit(ended)
+                ended, num_ended = _Batch(), 0
             try:
                 item = self.staged.get(timeout=POLL_S)
             except queue.Empty:
@@ -146,13 +159,21 @@ class SpillPipeline:
                     return
                 continue
             with self.io_lock:
+                if isinstance(item, Chunk):
+                    self._write_chunk(item.pages, batch)
+                    continue
+                if isinstance(item, Commit):
+                    ended.written += batch.written
+                    ended.dupes += batch.dupes
+                    batch, num_ended = _Batch(), num_ended + 1
+                    continue
+                if isinstance(item, Begin) and not item.job.victims:
+                    continue
+                if num_ended:  # GC's deletes and drops stay in order with the publishes before
+                    self._commit(ended)
+                    ended, num_ended = _Batch(), 0
                 if isinstance(item, Begin):
                     self._delete_victims(item.job)
-                elif isinstance(item, Chunk):
-                    self._write_chunk(item.pages, batch)
-                elif isinstance(item, Commit):
-                    self._commit(batch)
-                    batch = _Batch()
                 else:
                     self._drop(item)
 
