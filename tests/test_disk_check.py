@@ -17,7 +17,7 @@ from kvstrata.tiers import disk_format
 from kvstrata.tiers.disk_audit import audit_directory
 from kvstrata.tiers.disk_dir import index_dir
 from kvstrata.tiers.disk_format import SLOT_HEADER_BYTES, SlabGeometry
-from kvstrata.tiers.disk_index import DiskIndex, encode_key
+from kvstrata.tiers.disk_index import DiskIndex, encode_key, encode_value
 
 PAGES = hashes(6)
 
@@ -39,8 +39,7 @@ def _slab(root: Path, kind: int) -> tuple[Path, SlabGeometry]:
 
 def _slot_of(root: Path, page: bytes) -> int:
     index = DiskIndex(index_dir(root, NS.digest, 0))
-    with index.read() as txn:
-        entry = index.page(txn, NS.digest, 0, page, 3)
+    entry = index.scan(NS.digest, 0, 3).get(page)
     index.close()
     assert entry is not None
     return entry.slot
@@ -69,7 +68,7 @@ def _put(root: Path, entries: list[tuple[bytes, int, int]], rank: int = 0) -> No
     index = DiskIndex(index_dir(root, NS.digest, 0))
     with index.env.begin(write=True, db=index._pages) as txn:
         for page, kind, slot in entries:
-            txn.put(encode_key(NS.digest, page, kind), struct.pack("<IQQ", rank, slot, 1))
+            txn.put(encode_key(NS.digest, slot, kind), encode_value(page, rank, 1))
     index.close()
 
 
@@ -78,18 +77,19 @@ def _past_slab(root: Path) -> None:
 
 
 def _incomplete(root: Path) -> None:
+    slot = _slot_of(root, PAGES[1])
     index = DiskIndex(index_dir(root, NS.digest, 0))
-    index.delete_keys([encode_key(NS.digest, PAGES[1], 2)])
+    index.delete_keys([encode_key(NS.digest, slot, 2)])
     index.close()
 
 
 def _slot_mismatch(root: Path) -> None:
-    _put(root, [(PAGES[1], 1, 15)])
+    _put(root, [(PAGES[1], k, 15) for k in range(3)])  # whole at a second slot
 
 
 def _slot_shared(root: Path) -> None:
     slot = _slot_of(root, PAGES[3])
-    _put(root, [(hashes(1, seed=5)[0], k, slot) for k in range(3)])
+    _put(root, [(hashes(1, seed=5)[0], 0, slot)])  # another page's payload 0 entry
 
 
 def _truncated(root: Path) -> None:
@@ -112,7 +112,7 @@ def _missing_slab(root: Path) -> None:
 
 
 def _orphan_rank(root: Path) -> None:
-    _put(root, [(hashes(1, seed=8)[0], k, 0) for k in range(3)], rank=3)
+    _put(root, [(hashes(1, seed=8)[0], k, 19) for k in range(3)], rank=3)
 
 
 def _malformed(root: Path) -> None:
@@ -126,10 +126,10 @@ CASES: dict[str, tuple[Callable[[Path], None], set[str], int]] = {
     # name: (corruption, problem kinds reported, pages that check out after --fix)
     "payload-bit": (_payload_bit, {"bad-slot"}, 5),
     "header-bit": (_header_bit, {"bad-slot"}, 5),
-    "past-slab": (_past_slab, {"past-slab"}, 5),
+    "past-slab": (_past_slab, {"past-slab"}, 6),  # a second, bad claim: the page stays
     "incomplete": (_incomplete, {"page-incomplete"}, 5),
     "slot-mismatch": (_slot_mismatch, {"slot-mismatch"}, 5),
-    "slot-shared": (_slot_shared, {"slot-shared"}, 6),
+    "slot-shared": (_slot_shared, {"slot-shared"}, 5),
     "truncated": (_truncated, {"slab-truncated", "bad-slot"}, 5),
     "foreign-version": (
         _foreign_version,

@@ -306,7 +306,7 @@ def test_a_read_racing_gcs_reuse_of_its_slot_is_a_race_not_corruption(
                 assert store._index is not None
                 with store._state_lock:  # the plan takes it from the pool first
                     store.pool.remove(pages[0])
-                store._index.delete_pages(NS.digest, [pages[0]], 3, rank=0)
+                store._index.delete_pages(NS.digest, [(pages[0], victim)], 3, rank=0)
                 for each in store._slabs:
                     scratch = memoryview(aligned_buffer(each.geometry.slot_bytes))  # O_DIRECT
                     real_read(each, other, scratch)

@@ -153,7 +153,9 @@ def test_a_page_needs_every_payload(tmp_path: Path) -> None:
         assert index is not None
         from kvstrata.tiers.disk_index import encode_key
 
-        index.delete_keys([encode_key(NS.digest, pages[1], 2)])  # page 1 loses its draft payload
+        slot = store.pool.slot_of(pages[1])
+        assert slot is not None
+        index.delete_keys([encode_key(NS.digest, slot, 2)])  # page 1 loses its draft payload
         assert {p.kind for p in store.check()} == {"page-incomplete", "live-not-indexed"}
         # The running store reads from the pages it wrote (its slot pool), and page 1's bytes
         # still check out: all three are served, exact.

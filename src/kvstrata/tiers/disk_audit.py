@@ -46,7 +46,7 @@ from .disk_format import (
     decode_slot_header,
     lock_path,
 )
-from .disk_index import DiskIndex, IndexEntry, decode_key, decode_value
+from .disk_index import DiskIndex, decode_key, decode_value
 
 __all__ = ["INDEX_DIR", "SLAB_DIR", "AuditReport", "GroupAudit", "Problem", "audit_directory"]
 
@@ -112,31 +112,44 @@ def audit_group(
     kind order); with ``fix``, delete the entries of every page that fails."""
     num_payloads, num_slots = len(slabs), slabs[0].geometry.num_slots
     audit = GroupAudit(namespace, rank, num_payloads, num_slots)
-    by_page: dict[bytes, dict[int, IndexEntry]] = defaultdict(dict)
+    # slot -> kind -> (page hash, last_access), with each entry's key (the index is by slot)
+    at_slot: dict[int, dict[int, tuple[bytes, int]]] = defaultdict(dict)
+    keys: dict[int, list[bytes]] = defaultdict(list)
     for key, value in index.items(namespace):
-        decoded, entry = decode_key(key), decode_value(value)
-        if decoded is not None and entry is not None and entry.rank == rank:
-            by_page[decoded[1]][decoded[2]] = entry
-    bad: list[bytes] = []
+        decoded, found = decode_key(key), decode_value(value)
+        if decoded is not None and found is not None and found[1] == rank:
+            at_slot[decoded[1]][decoded[2]] = (found[0], found[2])
+            keys[decoded[1]].append(key)
+    bad: list[bytes] = []  # the keys --fix deletes
 
-    def fail(page_hash: bytes, kind: str, detail: str) -> None:
+    def fail(slot: int, page_hash: bytes, kind: str, detail: str) -> None:
         audit.problems.append(Problem(kind, _where(namespace, rank, page_hash), detail))
-        bad.append(page_hash)
+        bad.extend(keys[slot])
 
-    by_slot: dict[int, list[tuple[bytes, int]]] = defaultdict(list)
-    for page_hash, entries in by_page.items():
-        slots = {e.slot for e in entries.values()}
-        if set(entries) != set(range(num_payloads)):
+    slots_of: dict[bytes, list[int]] = defaultdict(list)  # whole pages: the slots naming them
+    for slot, entries in sorted(at_slot.items()):
+        named = sorted({h for h, _ in entries.values()})
+        if len(named) > 1:
+            fail(slot, named[0], "slot-shared", f"{len(named)} pages claim slot {slot}")
+        elif set(entries) != set(range(num_payloads)):
             fail(
-                page_hash, "page-incomplete", f"payload entries {sorted(entries)} of {num_payloads}"
+                slot,
+                named[0],
+                "page-incomplete",
+                f"payload entries {sorted(entries)} of {num_payloads} at slot {slot}",
             )
-        elif len(slots) != 1:
-            fail(page_hash, "slot-mismatch", f"payloads name slots {sorted(slots)}")
-        elif (slot := slots.pop()) >= num_slots:
-            fail(page_hash, "past-slab", f"slot {slot} past the slab's {num_slots} slots")
+        elif slot >= num_slots:
+            fail(slot, named[0], "past-slab", f"slot {slot} past the slab's {num_slots} slots")
         else:
-            last = max(e.last_access for e in entries.values())
-            by_slot[slot].append((page_hash, last))
+            slots_of[named[0]].append(slot)
+    by_slot: dict[int, list[tuple[bytes, int]]] = {}
+    for page_hash, slots in slots_of.items():
+        if len(slots) > 1:  # a page is in one slot; which copy is right is not known
+            for slot in slots:
+                fail(slot, page_hash, "slot-mismatch", f"the page is named at slots {slots}")
+            continue
+        slot = slots[0]
+        by_slot[slot] = [(page_hash, max(last for _, last in at_slot[slot].values()))]
 
     buf = aligned_buffer(max(s.geometry.slot_bytes for s in slabs))
     view = memoryview(buf)
@@ -157,14 +170,12 @@ def audit_group(
                     break
             if reason is None:
                 audit.pages.append((page_hash, slot, last))
-            elif len(claims) > 1:  # the header names at most one of them
-                fail(page_hash, "slot-shared", f"{len(claims)} pages claim the slot; {reason}")
             else:
-                fail(page_hash, "bad-slot", reason)
+                fail(slot, page_hash, "bad-slot", reason)
     del view
     buf.close()
     if fix and bad:
-        index.delete_pages(namespace, sorted(set(bad)), num_payloads, rank=rank)
+        index.delete_keys(sorted(set(bad)))
     return audit
 
 
@@ -292,8 +303,8 @@ def _audit_index(
             )
         stray = []
         for key, value in index.items():
-            decoded, entry = decode_key(key), decode_value(value)
-            if decoded is None or entry is None:
+            decoded, found = decode_key(key), decode_value(value)
+            if decoded is None or found is None:
                 report.problems.append(
                     Problem(
                         "entry-malformed",
@@ -302,11 +313,11 @@ def _audit_index(
                     )
                 )
                 stray.append(key)
-            elif slabs is None or decoded[0] != ns or entry.rank != group.rank:
+            elif slabs is None or decoded[0] != ns or found[1] != group.rank:
                 report.problems.append(
                     Problem(
                         "entry-orphan",
-                        _where(decoded[0], entry.rank, decoded[1]),
+                        _where(decoded[0], found[1], found[0]),
                         "no complete slab group for this namespace and rank",
                     )
                 )

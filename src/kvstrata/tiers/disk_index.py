@@ -2,14 +2,22 @@
 
 ::
 
-    key    namespace digest 32s | page hash 32s | payload kind u16            66 bytes
-    value  rank u32 | slot u64 | last_access u64                             20 bytes
-    (struct, little-endian; a ``meta`` table holds the index format version)
+    key    namespace digest 32s | slot u64 (big-endian) | payload kind u16 (big-endian)  42 bytes
+    value  page hash 32s | rank u32 | last_access u64 (little-endian)                   44 bytes
+    (a ``meta`` table holds the index format version)
 
-A page of a store with ``P`` payloads is present when all ``P`` keys exist, name the same rank
-and slot. The store writes data, ``fdatasync``-s it, and only then commits the keys (LMDB commits
-are atomic and, with ``sync``, durable), and deletes the keys before it reuses a slot: a slot no
-key names is free, whatever bytes it holds, so a crash at any point leaves nothing half-visible.
+Keys are in slot order (LMDB sorts keys as bytes): a spill writes its pages into ascending runs
+of slots, so one commit of a batch touches a few neighbouring B-tree pages, not one page per
+entry. Keyed by page hash, a commit of 224 entries of 4 KiB slots wrote about 9 MB (40 KiB per
+entry: 10x the slot bytes); keyed by slot it writes about 80 KB. Lookups by page hash come from
+the store's slot pool (rebuilt from a scan of this map at a ``load`` start) or, for a read-only
+view, from its own scan.
+
+A page of a store with ``P`` payloads is present at a slot when all ``P`` keys of that slot
+exist and name the same page and rank. The store writes data, ``fdatasync``-s it, and only then
+commits the keys (LMDB commits are atomic and, with ``sync``, durable), and deletes the keys
+before it reuses a slot: a slot no key names is free, whatever bytes it holds, so a crash at any
+point leaves nothing half-visible.
 
 Each (namespace, rank) has an index of its own (``disk_dir.index_dir``), used by one process at a
 time (the group's ``RankLock``): a process stopped while it holds LMDB's write lock blocks nobody
@@ -38,13 +46,14 @@ from ..errors import DiskFormatError, DiskStoreError
 from .disk_dir import DIR_MODE, refuse_link
 from .page_hash import HASH_BYTES
 
-KEY = struct.Struct("<32s32sH")
-VALUE = struct.Struct("<IQQ")
-INDEX_FORMAT = 1
+KEY = struct.Struct(">32sQH")
+VALUE = struct.Struct("<32sIQ")
+#: 1: keyed by page hash (a commit wrote one B-tree page per entry); 2: keyed by slot.
+INDEX_FORMAT = 2
 _FORMAT_KEY = b"format"
 #: Virtual size of the LMDB map when the store asks for less (address space, not disk).
 MIN_MAP_BYTES = 1 << 30
-#: Disk bytes reserved per index entry: a 66-byte key and 20-byte value (94 bytes with LMDB's
+#: Disk bytes reserved per index entry: a 42-byte key and 44-byte value (94 bytes with LMDB's
 #: node header) in B-tree pages at least half full, twice over for copy-on-write commits.
 RESERVE_BYTES_PER_ENTRY = 512
 #: Map (address space) bytes per entry: twice the reservation.
@@ -104,27 +113,34 @@ def check_map_file(path: Path) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class IndexEntry:
+    page_hash: bytes
     rank: int
     slot: int
     last_access: int
 
 
-def encode_key(namespace: bytes, page_hash: bytes, kind: int) -> bytes:
-    return KEY.pack(namespace, page_hash, kind)
+def encode_key(namespace: bytes, slot: int, kind: int) -> bytes:
+    return KEY.pack(namespace, slot, kind)
 
 
-def decode_key(key: bytes) -> tuple[bytes, bytes, int] | None:
-    """``(namespace, page hash, payload kind)``, or None for a key of another length."""
+def decode_key(key: bytes) -> tuple[bytes, int, int] | None:
+    """``(namespace, slot, payload kind)``, or None for a key of another length."""
     if len(key) != KEY.size:
         return None
-    ns, page_hash, kind = KEY.unpack(key)
-    return ns, page_hash, kind
+    ns, slot, kind = KEY.unpack(key)
+    return ns, slot, kind
 
 
-def decode_value(value: bytes | memoryview) -> IndexEntry | None:
+def encode_value(page_hash: bytes, rank: int, last_access: int) -> bytes:
+    return VALUE.pack(page_hash, rank, last_access)
+
+
+def decode_value(value: bytes | memoryview) -> tuple[bytes, int, int] | None:
+    """``(page hash, rank, last_access)``, or None for a value of another length."""
     if len(value) != VALUE.size:
         return None
-    return IndexEntry(*VALUE.unpack(value))
+    page_hash, rank, last = VALUE.unpack(value)
+    return page_hash, rank, last
 
 
 def _acquire_env(path: Path, map_size: int, readonly: bool) -> lmdb.Environment:
@@ -248,58 +264,57 @@ class DiskIndex:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def page(
-        self, txn: lmdb.Transaction, ns: bytes, rank: int, page_hash: bytes, num_payloads: int
-    ) -> IndexEntry | None:
-        """The page's entry (its slot; the largest last_access of its payloads) when every
-        payload names the same slot of ``rank``; else None."""
-        slot, last = -1, 0
-        for kind in range(num_payloads):
-            raw = txn.get(encode_key(ns, page_hash, kind), db=self._pages)
-            entry = decode_value(raw) if raw is not None else None
-            if entry is None or entry.rank != rank or slot not in (-1, entry.slot):
-                return None
-            slot, last = entry.slot, max(last, entry.last_access)
-        return IndexEntry(rank, slot, last)
-
     def read(self) -> lmdb.Transaction:
-        """A read transaction (use as a context manager)."""
         return self.env.begin(db=self._pages)
 
-    def slots(
-        self,
-        txn: lmdb.Transaction,
-        ns: bytes,
-        rank: int,
-        hashes: Sequence[bytes],
-        num_payloads: int,
-    ) -> list[int | None]:
-        """:meth:`page`'s slot for each of ``hashes`` (None where it has no entry), without
-        building entries: the read path asks this for every page it reads."""
-        get, db, key, size = txn.get, self._pages, KEY.pack, VALUE.size
-        out: list[int | None] = []
-        for h in hashes:
-            slot: int | None = -1
-            for kind in range(num_payloads):
-                raw = get(key(ns, h, kind), db=db)
-                if raw is None or len(raw) != size:
-                    slot = None
-                    break
-                got_rank, got_slot, _ = VALUE.unpack(raw)
-                if got_rank != rank or slot not in (-1, got_slot):
-                    slot = None
-                    break
-                slot = got_slot
-            out.append(slot)
-        return out
+    def entry(
+        self, txn: lmdb.Transaction, ns: bytes, rank: int, slot: int, num_payloads: int
+    ) -> IndexEntry | None:
+        """The page at ``slot`` (the largest last_access of its payloads) when every payload's
+        entry exists and names the same page of ``rank``; else None."""
+        get, db, key = txn.get, self._pages, KEY.pack
+        page_hash, last = b"", 0
+        for kind in range(num_payloads):
+            raw = get(key(ns, slot, kind), db=db)
+            value = decode_value(raw) if raw is not None else None
+            if value is None or value[1] != rank or page_hash not in (b"", value[0]):
+                return None
+            page_hash, last = value[0], max(last, value[2])
+        return IndexEntry(page_hash, rank, slot, last)
 
-    def leading(self, ns: bytes, rank: int, hashes: Sequence[bytes], num_payloads: int) -> int:
-        """How many of ``hashes``, from the first, are present."""
+    def holds(
+        self, ns: bytes, rank: int, pages: Sequence[tuple[bytes, int]], num_payloads: int
+    ) -> list[bool]:
+        """Whether each ``(page hash, slot)`` is still that slot's page (one read transaction)."""
         with self.read() as txn:
-            for i, h in enumerate(hashes):
-                if self.page(txn, ns, rank, h, num_payloads) is None:
-                    return i
-        return len(hashes)
+            return [
+                (e := self.entry(txn, ns, rank, slot, num_payloads)) is not None
+                and e.page_hash == h
+                for h, slot in pages
+            ]
+
+    def scan(self, ns: bytes, rank: int, num_payloads: int) -> dict[bytes, IndexEntry]:
+        """Every whole page of ``(ns, rank)`` by page hash (the lowest slot of a page that two
+        slots claim), in one pass over the map in slot order."""
+        out: dict[bytes, IndexEntry] = {}
+        slot, kinds, page_hash, last, rank_ok = -1, 0, b"", 0, True
+
+        def close() -> None:
+            if slot >= 0 and kinds == num_payloads and rank_ok and page_hash not in out:
+                out[page_hash] = IndexEntry(page_hash, rank, slot, last)
+
+        for key, value in self.items(ns):
+            k, v = decode_key(key), decode_value(value)
+            if k is None or v is None:
+                continue
+            if k[1] != slot:
+                close()
+                slot, kinds, page_hash, last, rank_ok = k[1], 0, v[0], 0, True
+            if v[0] != page_hash or v[1] != rank or k[2] != kinds:
+                rank_ok = False
+            kinds, last = kinds + 1, max(last, v[2])
+        close()
+        return out
 
     def items(self, ns: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         """Every raw ``(key, value)`` (of namespace ``ns`` only, when given), in key order."""
@@ -322,12 +337,14 @@ class DiskIndex:
         pages: Sequence[tuple[bytes, int, int]],
         num_payloads: int,
     ) -> None:
-        """Publish ``(page hash, slot, last_access)`` entries for every payload, atomically."""
+        """Publish ``(page hash, slot, last_access)`` entries for every payload, atomically (in
+        slot order: neighbouring keys share B-tree pages)."""
         with self.env.begin(write=True, db=self._pages) as txn:
-            for page_hash, slot, last in pages:
-                value = VALUE.pack(rank, slot, last)
+            put = txn.put
+            for page_hash, slot, last in sorted(pages, key=lambda p: p[1]):
+                value = VALUE.pack(page_hash, rank, last)
                 for kind in range(num_payloads):
-                    txn.put(encode_key(ns, page_hash, kind), value)
+                    put(KEY.pack(ns, slot, kind), value)
 
     def touch_pages(
         self, ns: bytes, rank: int, pages: Sequence[tuple[bytes, int, int]], num_payloads: int
@@ -335,36 +352,32 @@ class DiskIndex:
         """Set ``last_access`` of ``(page hash, slot, last_access)`` pages whose entries still
         name that slot (a page dropped meanwhile is left dropped)."""
         with self.env.begin(write=True, db=self._pages) as txn:
-            for page_hash, slot, last in pages:
-                value = VALUE.pack(rank, slot, last)
+            for page_hash, slot, last in sorted(pages, key=lambda p: p[1]):
+                value = VALUE.pack(page_hash, rank, last)
                 for kind in range(num_payloads):
-                    key = encode_key(ns, page_hash, kind)
+                    key = KEY.pack(ns, slot, kind)
                     raw = txn.get(key)
-                    entry = decode_value(raw) if raw is not None else None
-                    if entry is not None and entry.rank == rank and entry.slot == slot:
+                    found = decode_value(raw) if raw is not None else None
+                    if found is not None and found[0] == page_hash and found[1] == rank:
                         txn.put(key, value)
 
     def delete_pages(
         self,
         ns: bytes,
-        hashes: Sequence[bytes],
+        pages: Sequence[tuple[bytes, int]],
         num_payloads: int,
         rank: int | None = None,
-        slot: int | None = None,
     ) -> None:
-        """Delete every payload entry of ``hashes`` (only those of ``rank`` and naming ``slot``,
-        when given)."""
+        """Delete the payload entries of each ``(page hash, slot)`` that still name that page
+        (and ``rank``, when given): another page's entries at the slot stay."""
         with self.env.begin(write=True, db=self._pages) as txn:
-            for page_hash in hashes:
+            for page_hash, slot in sorted(pages, key=lambda p: p[1]):
                 for kind in range(num_payloads):
-                    key = encode_key(ns, page_hash, kind)
-                    if rank is not None or slot is not None:
-                        raw = txn.get(key)
-                        entry = decode_value(raw) if raw is not None else None
-                        if entry is None or rank not in (None, entry.rank):
-                            continue
-                        if slot not in (None, entry.slot):
-                            continue
+                    key = KEY.pack(ns, slot, kind)
+                    raw = txn.get(key)
+                    found = decode_value(raw) if raw is not None else None
+                    if found is None or found[0] != page_hash or rank not in (None, found[1]):
+                        continue
                     txn.delete(key)
 
     def delete_keys(self, keys: Sequence[bytes]) -> None:
@@ -377,7 +390,7 @@ class DiskIndex:
         doomed = [
             key
             for key, value in self.items(ns)
-            if (entry := decode_value(value)) is None or entry.rank == rank
+            if (found := decode_value(value)) is None or found[1] == rank
         ]
         self.delete_keys(doomed)
         return len(doomed)
@@ -388,4 +401,4 @@ class DiskIndex:
             _release_env(self.env)
 
 
-assert KEY.size == 2 * HASH_BYTES + 2
+assert KEY.size == HASH_BYTES + 10 and VALUE.size == HASH_BYTES + 12

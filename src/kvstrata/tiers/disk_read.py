@@ -34,7 +34,6 @@ import lmdb
 from .disk_buffers import HostPages, Staging, host_pages
 from .disk_events import Counters, RateLimitedLog
 from .disk_format import MAX_RUN_SLOTS, SlabFile, check_slot
-from .disk_index import DiskIndex
 from .host_pool import HostPool
 from .page_hash import Namespace
 
@@ -67,21 +66,22 @@ class PageReader:
         namespace: Namespace,
         rank: int,
         slabs: list[SlabFile],
-        index: DiskIndex,
+        locate: Callable[[Sequence[bytes]], list[int | None]],
+        confirm: Callable[[Sequence[bytes], Sequence[int]], list[bool]],
         counters: Counters,
         warn: RateLimitedLog,
         drop: Callable[[bytes, int], object],
         read_threads: int,
         io_timeout_s: float,
         wait_written: Callable[[Sequence[bytes]], bool] | None = None,
-        locate: Callable[[Sequence[bytes]], list[int | None]] | None = None,
     ) -> None:
-        self.namespace, self.rank, self._slabs, self._index = namespace, rank, slabs, index
+        self.namespace, self.rank, self._slabs = namespace, rank, slabs
         self.counters, self._warn, self._drop = counters, warn, drop
         self._wait_written = wait_written
-        #: Where each page is, as far as the store knows (its slot pool); None: ask the index.
-        #: The same source confirms every slot after it is read (module docstring).
-        self._locate = locate
+        #: Where each page is (the store's slot pool, or a view's scan of the index), and
+        #: whether each page still holds its slot after the read (module docstring); either
+        #: may raise ``lmdb.Error`` (a damaged index: misses).
+        self._locate, self._confirm = locate, confirm
         self.read_threads, self.io_timeout_s = read_threads, io_timeout_s
         self.num_slots = slabs[0].geometry.num_slots
         self.page_bytes = sum(s.geometry.slot_bytes for s in slabs)
@@ -137,18 +137,12 @@ class PageReader:
         host_slots: Sequence[int],
         ok: list[bool],
     ) -> None:
-        assert self._index is not None
-        ns, num_payloads = self.namespace.digest, len(self._slabs)
         # A page the writer has not published yet is read once it has (or failed: a miss).
         if self._wait_written is not None and not self._wait_written(hashes):
             self._warn.warn("read", "a read waited too long for pages being written")
         found: list[int | None] = []
         try:
-            if self._locate is not None:
-                found = self._locate(hashes)
-            else:
-                with self._index.read() as txn:
-                    found = self._index.slots(txn, ns, self.rank, hashes, num_payloads)
+            found = self._locate(hashes)
         except lmdb.Error as err:  # a damaged index: misses, counted, never a crash
             self.counters.add(index_errors=1)
             self._warn.warn("index", f"cannot read the disk index: {err}")
@@ -303,18 +297,12 @@ class PageReader:
         """Whether each page still holds its slot (None: the index cannot be read). The store's
         own reader asks its slot pool, which lets a slot go before GC deletes its entries and
         reuses it (the same order, earlier, and no index read per page); a read-only view asks
-        the index."""
-        if self._locate is not None:
-            return [n == s for n, s in zip(self._locate(hashes), slots, strict=True)]
-        assert self._index is not None
-        ns, num_payloads = self.namespace.digest, len(self._slabs)
+        the index, by slot."""
         try:
-            with self._index.read() as txn:
-                named = self._index.slots(txn, ns, self.rank, hashes, num_payloads)
+            return self._confirm(hashes, slots)
         except lmdb.Error:
             self.counters.add(index_errors=1)
             return None
-        return [n == s for n, s in zip(named, slots, strict=True)]
 
     def _failed_read(self, page_hash: bytes, slot: int, counter: str, why: str) -> None:
         """Count a page that could not be read; drop it unless GC did (a race, not a fault)."""

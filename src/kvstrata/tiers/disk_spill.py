@@ -182,8 +182,9 @@ class SpillPipeline:
         if not job.victims:
             return
         hashes = [h for h, _, _ in job.victims]
+        pages = [(h, slot) for h, slot, _ in job.victims]
         try:
-            self.index.delete_pages(self.ns.digest, hashes, self.num_payloads, rank=self.rank)
+            self.index.delete_pages(self.ns.digest, pages, self.num_payloads, rank=self.rank)
         except lmdb.Error as err:
             self.counters.add(index_errors=1)
             self.warn.warn("index", f"GC cannot delete index entries: {err}")
@@ -200,9 +201,7 @@ class SpillPipeline:
         """A page a read found bad: its entries naming that slot go; then the slot is free."""
         h, slot = item
         try:
-            self.index.delete_pages(
-                self.ns.digest, [h], self.num_payloads, rank=self.rank, slot=slot
-            )
+            self.index.delete_pages(self.ns.digest, [(h, slot)], self.num_payloads, rank=self.rank)
         except lmdb.Error as err:
             self.counters.add(index_errors=1)
             self.warn.warn("index", f"cannot drop a failed page from the index: {err}")

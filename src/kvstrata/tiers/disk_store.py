@@ -226,12 +226,12 @@ class DiskStore:
             self.namespace,
             self.rank,
             self._slabs,
-            self._index,
+            self._locate,
+            self._holds,
             self.counters,
             self._warn,
             drop=self._spill.drop,
             wait_written=lambda hashes: self._wait_written(hashes, cfg.io_timeout_s),
-            locate=self._locate,
             read_threads=cfg.read_threads,
             io_timeout_s=cfg.io_timeout_s,
         )
@@ -412,6 +412,11 @@ class DiskStore:
         with self._state_lock:
             return [self.pool.slot_of(h) for h in page_hashes]
 
+    def _holds(self, page_hashes: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """The reader's check after a read: each page still holds its slot in the pool."""
+        with self._state_lock:
+            return [self.pool.slot_of(h) == s for h, s in zip(page_hashes, slots, strict=True)]
+
     def touch(self, page_hashes: Sequence[bytes]) -> None:
         """Mark pages recently used (GC takes the least recently used first), at once: the
         next spill's plan sees it. The index learns it at close."""
@@ -517,7 +522,7 @@ class DiskStore:
                     )
                     if fix:
                         self._index.delete_pages(
-                            self.namespace.digest, [h], len(self._slabs), rank=self.rank
+                            self.namespace.digest, [(h, slot)], len(self._slabs), rank=self.rank
                         )
                         self.pool.remove(h)
             for h, slot in on_disk.items():
@@ -531,7 +536,7 @@ class DiskStore:
                     )
                     if fix:
                         self._index.delete_pages(
-                            self.namespace.digest, [h], len(self._slabs), rank=self.rank
+                            self.namespace.digest, [(h, slot)], len(self._slabs), rank=self.rank
                         )
             self.pool.check()
         return problems

@@ -6,6 +6,11 @@ ranks other than the storage writer). The view takes no lock, writes nothing and
 the writer keeps its slabs, its index entries and its LRU. It opens the writer's slabs when it
 first needs them (the writer may start later), with the geometry their superblocks describe.
 
+The index is keyed by slot, so the view finds pages by hash in its own scan of the index: taken
+again when a lookup or read falls short of what it asks and the writer has committed since, but
+no sooner after the last scan than :data:`RESCAN_TIMES` its duration (scans then take at most a
+tenth of the time however large the index; a small one is seen at once).
+
 Reads are as safe as the writer's own (``disk_read``): a slot is verified (header, hash, CRC-32C)
 and the index must still name it after the read, and the writer deletes an entry before it reuses
 a slot, so a page the writer collects or rewrites meanwhile reads as a miss, never as another
@@ -16,6 +21,7 @@ page's bytes. A page that fails verification is a counted miss; dropping it is t
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,10 +31,14 @@ from .disk_config import DiskStats
 from .disk_dir import index_dir
 from .disk_events import Counters, RateLimitedLog
 from .disk_format import CRC32C_HARDWARE, SlabFile, SlabGeometry
-from .disk_index import DiskIndex
+from .disk_index import DiskIndex, IndexEntry
 from .disk_read import PageReader
 from .host_pool import HostPool
 from .page_hash import HASH_BYTES, Namespace
+
+#: A scan of the writer's index starts no sooner after the last one than this many times the
+#: last one took.
+RESCAN_TIMES = 10
 
 
 class DiskView:
@@ -51,6 +61,8 @@ class DiskView:
         self._slabs: list[SlabFile] = []
         self._reader: PageReader | None = None
         self._index: DiskIndex | None = None  # the writer's, read-only, once it exists
+        self._pages: dict[bytes, IndexEntry] = {}  # its whole pages by hash, as last scanned
+        self._scanned: tuple[int, float, float] | None = None  # (txn id, end, seconds) of the last
 
     def _expected(self, kind: int, num_slots: int) -> SlabGeometry:
         ns = self.namespace
@@ -85,7 +97,8 @@ class DiskView:
                 self.namespace,
                 self.rank,
                 self._slabs,
-                self._index,  # type: ignore[arg-type]
+                self._locate,
+                self._holds,
                 self.counters,
                 self._warn,
                 drop=lambda _h, _slot: None,  # the writer drops what fails
@@ -102,16 +115,41 @@ class DiskView:
                 self._index = DiskIndex(path, readonly=True)
         return self._index
 
+    def _locate(self, page_hashes: Sequence[bytes]) -> list[int | None]:
+        """Each page's slot as last scanned (scanning again first when one is missing)."""
+        with self._lock:
+            if any(h not in self._pages for h in page_hashes):
+                self._rescan()
+            return [e.slot if (e := self._pages.get(h)) is not None else None for h in page_hashes]
+
+    def _holds(self, page_hashes: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """The check after a read: the index still names each page at its slot."""
+        assert self._index is not None
+        pairs = list(zip(page_hashes, slots, strict=True))
+        return self._index.holds(self.namespace.digest, self.rank, pairs, self._num_payloads)
+
+    def _rescan(self) -> None:
+        """Scan the writer's index again if it committed since the last scan, and that scan
+        ended RESCAN_TIMES its duration ago."""
+        index = self._open_index()
+        if index is None:
+            return
+        txn_id, start = index.env.info()["last_txnid"], time.monotonic()
+        if self._scanned is not None:
+            last_id, end, took = self._scanned
+            if txn_id == last_id or start - end < RESCAN_TIMES * took:
+                return
+        self._pages = index.scan(self.namespace.digest, self.rank, self._num_payloads)
+        end = time.monotonic()
+        self._scanned = (txn_id, end, end - start)
+
     def lookup(self, page_hashes: Sequence[bytes]) -> int:
         """How many of ``page_hashes``, from the first, the writer has on disk."""
         bad = [h for h in page_hashes if not isinstance(h, bytes) or len(h) != HASH_BYTES]
         if bad:
             raise ConfigError(f"page hashes are {HASH_BYTES} bytes, got {bad[0]!r}")
-        with self._lock:
-            index = self._open_index()
-        if index is None:
-            return 0
-        return index.leading(self.namespace.digest, self.rank, page_hashes, self._num_payloads)
+        found = self._locate(page_hashes)
+        return next((i for i, slot in enumerate(found) if slot is None), len(found))
 
     def read(
         self, page_hashes: Sequence[bytes], host_pool: HostPool, host_slots: Sequence[int]
