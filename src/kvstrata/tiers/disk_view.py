@@ -4,7 +4,8 @@ writes: lookups and verified reads, nothing else.
 For ranks that hold the same pages as a writer but never write themselves (SGLang's MLA TP
 ranks other than the storage writer). The view takes no lock, writes nothing and frees nothing:
 the writer keeps its slabs, its index entries and its LRU. It opens the writer's slabs when it
-first needs them (the writer may start later), with the geometry their superblocks describe.
+first needs them (the writer may start later), with the geometry their superblocks describe
+(a writer of one directory: a group striped over several reads as misses here).
 
 Reads are as safe as the writer's own (``disk_read``): a slot is verified (header, hash, CRC-32C)
 and the index must still name it after the read, and the writer deletes an entry before it reuses
