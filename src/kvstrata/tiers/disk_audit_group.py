@@ -42,6 +42,7 @@ class GroupAudit:
     num_slots: int
     pages: list[tuple[bytes, int, int]] = field(default_factory=list)  # (hash, slot, last_access)
     problems: list[Problem] = field(default_factory=list)
+    stripes: int = 1  # directories its slots are striped over
 
 
 def group_where(ns: bytes, rank: int, page_hash: bytes | None = None) -> str:
@@ -61,7 +62,7 @@ def audit_group(
     """Check every index entry of ``(namespace, rank)`` against its slabs (one per payload, in
     kind order); with ``fix``, delete the entries of every page that fails."""
     num_payloads, num_slots = len(slabs), slabs[0].geometry.num_slots
-    audit = GroupAudit(namespace, rank, num_payloads, num_slots)
+    audit = GroupAudit(namespace, rank, num_payloads, num_slots, stripes=slabs[0].stripes)
     by_page: dict[bytes, dict[int, IndexEntry]] = defaultdict(dict)
     for key, value in index.items(namespace):
         decoded, entry = decode_key(key), decode_value(value)
