@@ -37,6 +37,7 @@ from kvstrata.tiers.disk_audit import audit_directories, audit_directory
 from kvstrata.tiers.disk_config import StartMode
 from kvstrata.tiers.disk_dir import index_dir, layout_path
 from kvstrata.tiers.disk_format import ALIGN, SLOT_HEADER_BYTES, SlabFile, SlabGeometry, round_up
+from kvstrata.tiers.disk_gc import collect
 from kvstrata.tiers.disk_index import DiskIndex
 from kvstrata.tiers.disk_layout import check_roots, rank_roots, stripe_runs
 from kvstrata.tiers.disk_store import DiskConfig, DiskStore
@@ -167,6 +168,22 @@ def test_a_restart_given_other_directories_is_refused_with_the_flags(tmp_path: P
     with _store([b, a]) as store:
         assert store.lookup(PAGES) == 0
     assert not index_dir(a, NS.digest, 0).exists()  # the old home's index went with it
+
+
+def test_a_stripe_removed_by_disk_gc_refuses_a_load_and_clear_starts_over(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    with _store([a, b]) as store:
+        spill_all(store, host_pool(), PAGES, ticket=1)
+        assert collect(b).in_use == [f"{NS.digest.hex()[:16]}-r0"]  # held in every directory
+    assert [name for name, _ in collect(b).removed] == [f"{NS.digest.hex()[:16]}-r0"]
+    assert not list((b / "slabs").glob("*.slab")) and not layout_path(b, NS.digest, 0).exists()
+    with pytest.raises(DiskFormatError, match=f"{b} holds no part of it.*'clear'"):
+        _store([a, b], start="load")
+    with _store([a, b]) as store:
+        assert store.lookup(PAGES) == 0
+        spill_all(store, host_pool(), PAGES, ticket=2)
+    with _store([a, b], start="load") as store:
+        _exact(store, PAGES)
 
 
 def test_ranks_sharing_drives_find_their_own_pages_after_a_restart(tmp_path: Path) -> None:

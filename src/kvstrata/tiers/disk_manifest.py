@@ -180,7 +180,21 @@ def _loaded(
             return os.urandom(8).hex()
         old = Layout("", 0, 1, _absolute(dirs[:1]), _absolute(dirs[:1]))
         _refuse(dirs, roots, namespace, rank, old)
-    _refuse(dirs, roots, namespace, rank, next(f for f in found if f is not None))
+    then = next(f for f in found if f is not None)
+    _refuse(dirs, roots, namespace, rank, then, _differences(dirs, found, then))
+
+
+def _differences(dirs: Sequence[Path], found: list[Layout | None], then: Layout) -> str:
+    """What each directory holds that is not its part of the store ``then`` describes."""
+    out = []
+    for j, (d, f) in enumerate(zip(dirs, found, strict=True)):
+        if f is None:
+            out.append(f"{d} holds no part of it")
+        elif f.store != then.store:
+            out.append(f"{d} holds a part of another store")
+        elif (f.stripe, f.stripes) != (j, len(dirs)):
+            out.append(f"{d} holds what was its directory {f.stripe + 1} of {f.stripes}")
+    return "; ".join(out)
 
 
 def _look(path: Path) -> Layout | None:
@@ -193,13 +207,23 @@ def _look(path: Path) -> Layout | None:
 
 
 def _refuse(
-    dirs: Sequence[Path], roots: Sequence[Path], namespace: bytes, rank: int, then: Layout
+    dirs: Sequence[Path],
+    roots: Sequence[Path],
+    namespace: bytes,
+    rank: int,
+    then: Layout,
+    detail: str = "",
 ) -> NoReturn:
     now = Layout("", 0, len(dirs), _absolute(dirs), _absolute(roots))
+    clear = "start it with 'clear' (--l3-start clear; drops what they hold)"
+    head = f"the disk tier of namespace {namespace.hex()[:16]} rank {rank} was written"
+    if then.dirs == now.dirs:  # the same directories, but a part is missing or another's
+        raise DiskFormatError(
+            f"{head} {then.describe()}, but {detail}: its pages cannot be read back whole; {clear}"
+        )
     raise DiskFormatError(
-        f"the disk tier of namespace {namespace.hex()[:16]} rank {rank} was written "
-        f"{then.describe()} ({then.flags()}); this start gives that rank {now.describe()} "
-        f"({now.flags()}): give the directories as they were, in that order (rank r of n "
-        "takes directory r % n; with more directories than ranks, it stripes over several), "
-        "or start it with 'clear' (--l3-start clear; drops what they hold)"
+        f"{head} {then.describe()} ({then.flags()}); this start gives that rank "
+        f"{now.describe()} ({now.flags()}){f' ({detail})' if detail else ''}: give the "
+        "directories as they were, in that order (rank r of n takes directory r % n; with "
+        f"more directories than ranks, it stripes over several), or {clear}"
     )
