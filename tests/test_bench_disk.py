@@ -34,3 +34,25 @@ def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["bench", "disk", "--dir", str(tmp_path / "missing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert main(["bench", "disk", "--dir", str(tmp_path), "--gib", "0"]) == 2
+
+
+def test_two_directories_add_rows_for_a_store_striped_over_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    argv = ["bench", "disk", "--dir", str(a), "--dir", str(b), "--gib", "0.004", "--layers", "2"]
+    argv += ["--kv-heads", "2", "--head-dim", "16", "--page-size", "16", "--repeat", "2"]
+    argv += ["--io-mode", "buffered", "--ticket-pages", "5", "--read-pages", "7"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    doc = json.loads(lines[-1])
+    assert doc["verified"] and doc["dirs"] == [str(a), str(b)] and doc["devices"] == 1
+    striped = doc["striped"]
+    assert striped["reload_gbps"] > 0 and striped["spill_gbps"] > 0
+    assert len(doc["rounds_gbps"]["reload_all"]) == 2
+    assert any(line.startswith("reload x2") for line in lines)
+    assert any("on one device" in line for line in lines)  # the note says why it cannot double
+    assert list(a.iterdir()) == list(b.iterdir()) == []
+    assert main(["bench", "disk", "--dir", str(a), "--dir", str(a)]) == 2

@@ -199,6 +199,10 @@ def test_sizes_in_gib_count_the_modeled_kv(tmp_path: Path) -> None:
     assert got.engine.l2_tokens == 2 * 32768 and got.engine.l2_gib == 0.0
     # 4 GiB hold 8,192 modeled pages; the slabs get room for that many stored 4 KiB slots.
     assert got.engine.l3_gib * 2**30 == pytest.approx(8192 * 4096 + 2 * 4096)
+    # Striped over two directories: each holds half the pages and its own superblock room.
+    two = replace(engine, l3_dir=(str(tmp_path / "a"), str(tmp_path / "b")))
+    got = resolve_sizes(cfg(model_shape="llama-3.2-1b", l1_gib=1.0, engine=two, kv_width=4))
+    assert got.engine.l3_gib * 2**30 == pytest.approx(2 * (4096 * 4096 + 2 * 4096))
     plain = resolve_sizes(cfg(l1_gib=1 / 1024, kv_width=64))  # the stored 64 bytes a token
     assert plain.engine.pool_tokens == 2**20 // 64
     assert resolve_sizes(cfg()) == cfg()

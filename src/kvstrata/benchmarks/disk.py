@@ -10,6 +10,12 @@ the same number of bytes at the same block size (one slot) with ``oflag=direct c
 same random bytes from memory (a file in /dev/shm), not zeros. ``ratio`` is
 ours over dd's (median of ``--repeat`` rounds). GB/s counts the bytes that reach the disk (slot
 headers and padding included, the same bytes dd moves).
+
+Given ``--dir`` more than once (one directory per drive), each round also spills and reloads
+the same bytes through one store striped over all of them (``disk_layout.py``) and runs one
+``dd`` per directory at once on its share of the bytes; the table then adds a row per op over
+``N`` directories and the reload's speed-up over one directory. Directories on one device (the
+same ``st_dev``) share a drive, and the note says so: the figure cannot double there.
 """
 
 from __future__ import annotations
@@ -17,12 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,16 +37,19 @@ from ..command import CommandParser, HelpFormatter, run_command
 from ..config import KVLayout, PayloadSpec
 from ..errors import ConfigError
 from ..limits import check_fits
-from ..tiers.disk_config import IO_MODES, MAX_IO_THREADS, DiskConfig
+from ..tiers.disk_config import IO_MODES, MAX_IO_THREADS, DiskConfig, DiskStats
 from ..tiers.disk_format import CRC32C_HARDWARE, round_up
+from ..tiers.disk_layout import check_roots
 from ..tiers.disk_store import DiskStore
 from ..tiers.host_pool import HostPool
 from ..tiers.page_hash import Namespace
+from .dd import dd as _dd  # noqa: F401  (the other benchmarks' dd, imported from here)
+from .dd import dd_args, dd_parallel
+from .dd import dd_source as _dd_source
 
 PROG = "kvstrata bench disk"
 #: More rounds than this is a typo, not a measurement.
 _MAX_REPEAT = 100
-_DD_RATE = re.compile(r"^(\d+) bytes .* copied, ([\d.]+) s", re.MULTILINE)
 
 
 def build_parser() -> CommandParser:
@@ -53,9 +62,10 @@ def build_parser() -> CommandParser:
     )
     ap.add_argument(
         "--dir",
-        default=".",
+        action="append",
         help="where to write (a scratch directory is made inside it and removed afterwards); "
-        "put it on the disk to measure",
+        "put it on the disk to measure. Repeat it, one per drive, to measure one store "
+        "striped over them all against the first alone (default: .)",
     )
     ap.add_argument("--gib", type=float, default=1.0, help="GiB of page payload spilled")
     ap.add_argument("--layers", type=int, default=16, help="model layers (Llama-3.2-1B: 16)")
@@ -105,41 +115,16 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) > MAX_IO_THREADS:
             flag = name.replace("_", "-")
             raise ConfigError(f"--{flag} must be <= {MAX_IO_THREADS}, got {getattr(args, name)}")
-    if not Path(args.dir).is_dir():
-        raise ConfigError(f"--dir {args.dir} is not a directory")
+    args.dir = args.dir or ["."]
+    for d in args.dir:
+        if not Path(d).is_dir():
+            raise ConfigError(f"--dir {d} is not a directory")
+    check_roots(args.dir)  # one given twice, or inside another
     if shutil.which("dd") is None:
         raise ConfigError("dd is not on PATH; the benchmark compares against it")
     page = _layout(args).page_bytes(args.page_size)
     pages = max(1, int(args.gib * 2**30) // page)
     check_fits([("two host pools", 2 * pages * page)], torch.device("cpu"), hint="lower --gib")
-
-
-def _dd_source(src: HostPool, nbytes: int, scratch: Path) -> Path:
-    """A file of the pool's (random) bytes for dd to write from, in memory (/dev/shm) where the
-    machine has it: dd then copies real data from RAM, as a spill does, not zeros a virtual disk
-    might short-cut."""
-    shm = Path("/dev/shm")
-    have = shutil.disk_usage(shm).free if shm.is_dir() else 0
-    path = shm / f"kvstrata-bench-disk-{os.getpid()}.src" if have > 2 * nbytes else scratch / "src"
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            for t in src.tensors():
-                chunk = t.view(torch.uint8).reshape(-1)[:left].numpy().tobytes()
-                f.write(chunk)
-                left -= len(chunk)
-                if left <= 0:
-                    break
-    return path
-
-
-def _dd(argv: list[str]) -> float:
-    """Run dd; returns its bytes per second."""
-    out = subprocess.run(["dd", *argv], capture_output=True, text=True, check=True).stderr
-    m = _DD_RATE.search(out)
-    if m is None:
-        raise RuntimeError(f"cannot read dd's output: {out!r}")
-    return int(m.group(1)) / float(m.group(2))
 
 
 def _spill(
@@ -193,6 +178,68 @@ def _reload(store: DiskStore, pool: HostPool, hashes: list[bytes], read_pages: i
     return time.perf_counter() - t0
 
 
+@dataclass
+class _Setup:
+    """What every round of :func:`main` shares."""
+
+    args: argparse.Namespace
+    ns: Namespace
+    src: HostPool
+    dst: HostPool
+    pages: int
+    budget: int
+    disk_bytes: int
+
+
+def _round(
+    setup: _Setup,
+    roots: list[Path],
+    dd_write: list[list[str]],
+    dd_read: list[list[str]],
+    ours_first: bool,
+    base: int,
+    rounds: dict[str, list[float]],
+    suffix: str = "",
+) -> tuple[bool, str, int | None, DiskStats]:
+    """One round of one store over ``roots``, dd before or after it: GB/s into ``rounds``;
+    returns (every byte verified, io mode, bytes sent to storage while spilling, stats)."""
+    args = setup.args
+    cfg = DiskConfig(
+        roots[0],
+        setup.budget,
+        io_mode=args.io_mode,
+        read_threads=args.read_threads,
+        write_threads=args.write_threads,
+        more_roots=tuple(roots[1:]),
+    )
+    with DiskStore(setup.ns, 0, cfg) as store:
+        hashes = [os.urandom(32) for _ in range(setup.pages)]
+        for t in setup.dst.tensors():
+            t.view(torch.uint8).zero_()
+        # Alternate who goes first, so that a drift of the disk's speed cancels out.
+        if not ours_first:
+            rounds["dd_write" + suffix].append(dd_parallel(dd_write))
+        before = written_bytes()
+        rounds["spill" + suffix].append(
+            setup.disk_bytes / _spill(store, setup.src, hashes, args.ticket_pages, base)
+        )
+        # the slabs' and the index's bytes (no dd meanwhile)
+        written = None if before is None else (written_bytes() or 0) - before
+        if ours_first:
+            rounds["dd_write" + suffix].append(dd_parallel(dd_write))
+            rounds["dd_read" + suffix].append(dd_parallel(dd_read))
+        rounds["reload" + suffix].append(
+            setup.disk_bytes / _reload(store, setup.dst, hashes, args.read_pages)
+        )
+        if not ours_first:
+            rounds["dd_read" + suffix].append(dd_parallel(dd_read))
+        verified = all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in zip(setup.src.tensors(), setup.dst.tensors(), strict=True)
+        )
+        return verified, store.io_mode, written, store.stats()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark for command-line arguments ``argv``; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -208,64 +255,44 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     for t in src.tensors():
         t.view(torch.uint8).random_(0, 256, generator=gen)
-    scratch = Path(tempfile.mkdtemp(prefix="kvstrata-bench-disk-", dir=args.dir))
-    rounds: dict[str, list[float]] = {"spill": [], "dd_write": [], "reload": [], "dd_read": []}
+    dirs = [Path(d) for d in args.dir]
+    scratch = [Path(tempfile.mkdtemp(prefix="kvstrata-bench-disk-", dir=d)) for d in dirs]
+    rounds: dict[str, list[float]] = defaultdict(list)
     verified = True
     io_mode = ""
     amplification: list[int] = []  # bytes sent to storage while spilling, per round
+    count = disk_bytes // slot
+    many = len(dirs) > 1
     try:
-        dd_file = scratch / "dd.bin"
-        with open(dd_file, "wb") as f:  # preallocated, as the slabs are
-            os.posix_fallocate(f.fileno(), 0, disk_bytes)
-        budget = (-(-pages * 100 // 94) + 2) * 2 * slot + 2 * 4096  # under the high watermark
-        count = disk_bytes // slot
-        dd_source = _dd_source(src, disk_bytes, scratch)
-        dd_write = [
-            f"if={dd_source}",
-            f"of={dd_file}",
-            f"bs={slot}",
-            f"count={count}",
-            "oflag=direct",
-            "conv=fdatasync,notrunc",
-        ]
-        dd_read = [f"if={dd_file}", "of=/dev/null", f"bs={slot}", f"count={count}", "iflag=direct"]
+        dd_files = [s / "dd.bin" for s in scratch]
+        for j, f in enumerate(dd_files):
+            with open(f, "wb") as out:  # preallocated, as the slabs are
+                os.posix_fallocate(
+                    out.fileno(), 0, disk_bytes if j == 0 else -(-disk_bytes // len(dirs))
+                )
+        # under the high watermark (per directory when striped: the budget splits evenly)
+        budget = (-(-pages * 100 // 94) + 2 * len(dirs)) * 2 * slot + 2 * 4096 * len(dirs)
+        dd_source = _dd_source(src, disk_bytes, scratch[0])
+        one_w, one_r = dd_args(dd_files[:1], dd_source, slot, count)
+        all_w, all_r = dd_args(dd_files, dd_source, slot, count)
+        setup = _Setup(args, ns, src, dst, pages, budget, disk_bytes)
         for r in range(args.repeat):
-            cfg = DiskConfig(
-                scratch / "l3",
-                budget,
-                io_mode=args.io_mode,
-                read_threads=args.read_threads,
-                write_threads=args.write_threads,
+            ok, io_mode, sent, stats = _round(
+                setup, [scratch[0] / "l3"], one_w, one_r, r % 2 == 0, r << 32, rounds
             )
-            with DiskStore(ns, 0, cfg) as store:
-                io_mode = store.io_mode
-                hashes = [os.urandom(32) for _ in range(pages)]
-                for t in dst.tensors():
-                    t.view(torch.uint8).zero_()
-                # Alternate who goes first, so that a drift of the disk's speed cancels out.
-                ours_first = r % 2 == 0
-                if not ours_first:
-                    rounds["dd_write"].append(_dd(dd_write))
-                before = written_bytes()
-                rounds["spill"].append(
-                    disk_bytes / _spill(store, src, hashes, args.ticket_pages, r << 32)
+            verified &= ok
+            if sent is not None:
+                amplification.append(sent)
+            if many:
+                striped = [s / "l3s" for s in scratch]
+                ok, _, _, _ = _round(
+                    setup, striped, all_w, all_r, r % 2 == 1, (r << 32) | 1 << 31, rounds, "_all"
                 )
-                if before is not None:  # the slabs' and the index's bytes (no dd meanwhile)
-                    amplification.append((written_bytes() or 0) - before)
-                if ours_first:
-                    rounds["dd_write"].append(_dd(dd_write))
-                    rounds["dd_read"].append(_dd(dd_read))
-                rounds["reload"].append(disk_bytes / _reload(store, dst, hashes, args.read_pages))
-                if not ours_first:
-                    rounds["dd_read"].append(_dd(dd_read))
-                verified &= all(
-                    torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                    for a, b in zip(src.tensors(), dst.tensors(), strict=True)
-                )
-                stats = store.stats()
+                verified &= ok
     finally:
         if not args.keep:
-            shutil.rmtree(scratch, ignore_errors=True)
+            for s in scratch:
+                shutil.rmtree(s, ignore_errors=True)
         Path(f"/dev/shm/kvstrata-bench-disk-{os.getpid()}.src").unlink(missing_ok=True)
     med = {k: statistics.median(v) / 1e9 for k, v in rounds.items()}
     spill_ratio, reload_ratio = med["spill"] / med["dd_write"], med["reload"] / med["dd_read"]
@@ -282,12 +309,27 @@ def main(argv: list[str] | None = None) -> int:
         f"io         {io_mode}, crc32c {'hardware' if CRC32C_HARDWARE else 'software'}, "
         f"verified {'every byte' if verified else 'MISMATCH'}"
     )
-    print(f"{'op':<8}{'kvstrata GB/s':>15}{'dd O_DIRECT GB/s':>19}{'ratio':>8}")
-    print(f"{'spill':<8}{med['spill']:>15.2f}{med['dd_write']:>19.2f}{spill_ratio:>8.2f}")
-    print(f"{'reload':<8}{med['reload']:>15.2f}{med['dd_read']:>19.2f}{reload_ratio:>8.2f}")
+    devices = {os.stat(d).st_dev for d in dirs}
+    n = len(dirs)
+    print(f"{'op':<10}{'kvstrata GB/s':>15}{'dd O_DIRECT GB/s':>19}{'ratio':>8}")
+    for op, dd in (("spill", "dd_write"), ("reload", "dd_read")):
+        print(f"{op:<10}{med[op]:>15.2f}{med[dd]:>19.2f}{med[op] / med[dd]:>8.2f}")
+        if many:
+            ours, theirs = med[op + "_all"], med[dd + "_all"]
+            print(f"{op + f' x{n}':<10}{ours:>15.2f}{theirs:>19.2f}{ours / theirs:>8.2f}")
     written = statistics.median(amplification) / disk_bytes if amplification else None
     if written is not None:
         print(f"written    {written:.3f}x the slot bytes spilled (slabs and index, /proc/self/io)")
+    if many:
+        note = (
+            f"all {n} on one device: one drive, which {n} directories cannot outrun"
+            if len(devices) == 1
+            else f"{len(devices)} devices"
+        )
+        print(
+            f"dirs       {n} ({note}): reload over {n} {med['reload_all'] / med['reload']:.2f}x "
+            f"one; dd {n} at once {med['dd_read_all'] / med['dd_read']:.2f}x one"
+        )
     result = {
         "bench": "disk",
         "pages": pages,
@@ -304,6 +346,18 @@ def main(argv: list[str] | None = None) -> int:
         "dd_read_gbps": round(med["dd_read"], 3),
         "reload_ratio": round(reload_ratio, 3),
         "written_per_slot_byte": None if written is None else round(written, 3),
+        "dirs": [str(d) for d in dirs],
+        "devices": len(devices),
+        "striped": None
+        if not many
+        else {
+            "spill_gbps": round(med["spill_all"], 3),
+            "reload_gbps": round(med["reload_all"], 3),
+            "dd_write_gbps": round(med["dd_write_all"], 3),
+            "dd_read_gbps": round(med["dd_read_all"], 3),
+            "reload_vs_one": round(med["reload_all"] / med["reload"], 3),
+            "dd_read_vs_one": round(med["dd_read_all"] / med["dd_read"], 3),
+        },
         "rounds_gbps": {k: [round(x / 1e9, 3) for x in v] for k, v in rounds.items()},
         "write_errors": stats.write_errors,
         "verify_failures": stats.verify_failures,

@@ -182,17 +182,23 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
     )
     p.add_argument(
         "--l3-dir",
+        action="append",
         default=EngineConfig.l3_dir,
         metavar="DIR",
         help="the disk tier (L3): a directory of preallocated, checksummed slab files and an "
-        "LMDB index; committed host pages spill there and misses reload from it (needs an L2)",
+        "LMDB index; committed host pages spill there and misses reload from it (needs an L2). "
+        "Repeat it, one directory per drive: of n directories rank r takes the (r %% n)-th, "
+        "or, with more directories than ranks, every cp-th from the r-th, its slots striped "
+        "over them (each rank's --l3-gib split evenly); a load start needs the same "
+        "directories in the same order",
     )
     p.add_argument(
         "--l3-gib",
         type=float,
         default=EngineConfig.l3_gib,
-        help="disk tier (L3) size in GiB: of its slabs, or with --model none and --model-shape "
-        "(or --cost-profile) of the modeled KV (the slabs then hold as many pages)",
+        help="disk tier (L3) size in GiB per rank, all its directories together: of its slabs, "
+        "or with --model none and --model-shape (or --cost-profile) of the modeled KV (the "
+        "slabs then hold as many pages)",
     )
     p.add_argument(
         "--l3-start",
@@ -413,7 +419,7 @@ def replay_config(args: argparse.Namespace) -> ReplayConfig:
             host_layout=args.host_layout,
             write_policy=args.write_policy[0] if grid else args.write_policy,
             write_through_hits=args.write_through_hits,
-            l3_dir=args.l3_dir,
+            l3_dir=tuple(args.l3_dir) if args.l3_dir else None,
             l3_gib=args.l3_gib,
             l3_start=args.l3_start,
             l3_min_hits=args.l3_min_hits,

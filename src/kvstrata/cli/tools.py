@@ -248,7 +248,7 @@ def disk_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "disk",
         help="the disk tier (L3): audit a directory, remove idle namespaces",
-        description="Tools for a disk tier directory (slabs/ and index/ under it).",
+        description="Tools for disk tier directories (slabs/ and index/ under each).",
     )
     actions = p.add_subparsers(dest="disk_command", required=True, metavar="ACTION")
     c = actions.add_parser(
@@ -261,11 +261,14 @@ def disk_parser(sub: argparse._SubParsersAction) -> None:
         "truncated slabs, removes slab files of kvstrata's name pattern that are not valid and "
         "rebuilds a damaged index from the slot headers, then audits again. Without --fix "
         "nothing is written. A namespace and rank a running store holds is reported in use and "
-        "not checked. Exit status 0 only when the directory is clean (after --fix: when the "
-        "repair left it clean), 1 when it is not, 2 when DIR is not a disk tier directory.",
+        "not checked. Give every directory of a disk tier striped over several drives (the "
+        "--l3-dir flags of the run, in any order): a rank's slots striped over them are "
+        "audited together, and reported (group-split, left alone) when some are missing. "
+        "Exit status 0 only when the directories are clean (after --fix: when the "
+        "repair left them clean), 1 when not, 2 when a DIR is not a disk tier directory.",
         formatter_class=HelpFormatter,
     )
-    c.add_argument("dir", metavar="DIR", help="the disk tier directory")
+    c.add_argument("dir", nargs="+", metavar="DIR", help="the disk tier directories")
     c.add_argument("--fix", action="store_true", help="repair what does not check out")
     c.add_argument(
         "--quick",
@@ -314,17 +317,19 @@ def _run_disk_gc(args: argparse.Namespace) -> int:
 def _run_disk_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..tiers.disk_audit import audit_directory
+    from ..tiers.disk_audit import audit_directories
 
-    root = Path(args.dir)
-    report = audit_directory(root, fix=args.fix, payload=not args.quick)
+    roots = [Path(d) for d in args.dir]
+    report = audit_directories(roots, fix=args.fix, payload=not args.quick)
     found = report.all_problems
-    after = audit_directory(root, payload=not args.quick) if args.fix and found else report
-    print(f"directory   {root}")
+    after = audit_directories(roots, payload=not args.quick) if args.fix and found else report
+    for root in roots:
+        print(f"directory   {root}")
     for g in after.groups:
         print(
             f"group       ns {g.namespace.hex()[:16]} rank {g.rank}: {g.num_payloads} payloads, "
-            f"{g.num_slots:,} slots, {len(g.pages):,} pages check out"
+            + (f"striped over {g.stripes} directories, " if g.stripes > 1 else "")
+            + f"{g.num_slots:,} slots, {len(g.pages):,} pages check out"
         )
     for name in report.in_use:
         print(f"in use      {name}: a running store holds it; not checked")
@@ -340,7 +345,8 @@ def _run_disk_check(args: argparse.Namespace) -> int:
     print(f"verdict     {verdict}")
     if args.json:
         doc = {
-            "dir": str(root),
+            "dir": str(roots[0]),
+            "dirs": [str(r) for r in roots],
             "clean": after.clean,
             "fixed": bool(args.fix and found),
             "problems": [{"kind": p.kind, "where": p.where, "detail": p.detail} for p in found],
@@ -352,6 +358,7 @@ def _run_disk_check(args: argparse.Namespace) -> int:
                     "rank": g.rank,
                     "payloads": g.num_payloads,
                     "slots": g.num_slots,
+                    "stripes": g.stripes,
                     "pages": len(g.pages),
                 }
                 for g in after.groups

@@ -10,6 +10,7 @@ import torch
 from ..config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, WRITE_POLICIES, CacheConfig, HostLayout
 from ..dist.attention import check_strategy
 from ..errors import ConfigError
+from ..tiers.disk_layout import check_roots
 from ..tiers.remote.config import parse_url
 
 GIB = 1 << 30
@@ -34,8 +35,10 @@ class EngineConfig:
     write_policy: str = "write_through"
     write_through_hits: int = 2
     max_host_alloc_gib: float = 480.0
-    l3_dir: str | None = None  # the disk tier's directory (needs an L2: it spills host pages)
-    l3_gib: float = 0.0  # disk bytes this rank's slabs take
+    # the disk tier's directory (needs an L2: it spills host pages), or one per drive: ranks
+    # take directory rank % n, or stripe over several when there are more directories than ranks
+    l3_dir: str | tuple[str, ...] | None = None
+    l3_gib: float = 0.0  # disk bytes each rank's slabs take, all its directories together
     l3_start: str = "clear"  # "clear" (start empty) or "load" (keep what the directory holds)
     l3_min_hits: int = 1  # spill only pages used at least this often
     # the shared tier (Redis) in L3's place: tiers/remote/config.py; it may carry a password
@@ -94,6 +97,10 @@ class EngineConfig:
             )
         check_strategy(self.cp_attention)
         if self.l3_dir is not None:
+            dirs = (self.l3_dir,) if isinstance(self.l3_dir, str) else tuple(self.l3_dir)
+            check_roots(dirs)  # none, one given twice, one inside another: refused
+            # one directory stays a string (as before several were possible), several a tuple
+            object.__setattr__(self, "l3_dir", dirs[0] if len(dirs) == 1 else dirs)
             if not self.has_l2:
                 raise ConfigError(
                     "the disk tier (--l3-dir) spills host pages: give an L2 too (--l2-tokens)"
@@ -147,6 +154,13 @@ class EngineConfig:
     @property
     def pool_pages(self) -> int:
         return self.pool_tokens // self.page_size
+
+    @property
+    def l3_dirs(self) -> tuple[str, ...]:
+        """The disk tier's directories (none without one)."""
+        if self.l3_dir is None:
+            return ()
+        return (self.l3_dir,) if isinstance(self.l3_dir, str) else self.l3_dir
 
     @property
     def has_l2(self) -> bool:

@@ -145,7 +145,8 @@ class CacheHierarchy:
                 self.namespace,
                 rank,
                 DiskConfig(
-                    root=Path(config.l3_dir),
+                    root=Path(config.l3_dirs[0]),
+                    more_roots=tuple(Path(d) for d in config.l3_dirs[1:]),
                     budget_bytes=int(config.l3_gib * GIB),
                     start=config.l3_start,  # type: ignore[arg-type]
                     min_hits=config.l3_min_hits,

@@ -25,6 +25,7 @@ from ..cost import CostProfile, ModelShape, estimate_profile, find_shipped, load
 from ..cost.shape import model_shape
 from ..errors import ConfigError
 from ..tiers.disk_format import ALIGN, SLOT_HEADER_BYTES, round_up
+from ..tiers.disk_layout import rank_roots
 from .config import ReplayConfig
 
 GIB = 1 << 30
@@ -144,5 +145,7 @@ def resolve_sizes(cfg: ReplayConfig) -> ReplayConfig:
     if modeled and engine.l3_dir is not None and engine.l3_gib:
         pages = tokens_for_gib(engine.l3_gib, bpt, P) // P
         slot = round_up(SLOT_HEADER_BYTES + cfg.kv_width * P)  # the stored page's disk slot
-        changes["l3_gib"] = (pages * slot + 2 * ALIGN) / GIB
+        # striped over k directories, each holds an even share and its own superblocks
+        k = len(rank_roots(len(engine.l3_dirs), 0, cfg.cp))
+        changes["l3_gib"] = k * (-(-pages // k) * slot + 2 * ALIGN) / GIB
     return replace(cfg, engine=replace(engine, **changes))

@@ -2,18 +2,19 @@
 
 A directory is *clean* when every index entry belongs to a complete slab group (the slabs of one
 namespace and rank, one per payload, with valid superblocks and full length), and every page the
-index names has all its payloads in one slot inside the slab, no other page in that slot, and a
-slot header (and, unless ``payload=False``, a payload CRC) that checks out. Free slots holding
-stale bytes are not a problem: a slot no entry names is free by definition.
+index names checks out (``disk_audit_group.audit_group``). A group whose slots are striped over
+several directories (``disk_layout.py``) is audited whole when all of them are given (its stripes
+are found by their layout records, ``disk_manifest.py``, and its index is the first's); given
+without some of them it is reported (``group-split``) and left alone, never repaired by halves.
 
 Repair never invents data: it deletes the index entries of pages that do not check out (so they
 read as misses), extends truncated slabs, removes slab files of kvstrata's name pattern that are
-not valid slabs or belong to an incomplete group, and rebuilds a damaged index from the slot
-headers (a page is entered only where every payload's slot holds its header and an intact
-payload). Every group is audited under its rank lock, taken without waiting: a group whose lock
-a store holds is reported as in use and left alone, and a group that appears meanwhile is not
-judged. Without ``fix`` nothing under the directory is written, not even a lock file. The same
-group audit serves ``load`` cold starts (headers only, repairing) and ``DiskStore.check``.
+not valid slabs or belong to an incomplete group, removes an index a stripe's directory holds
+besides the group's home, and rebuilds a damaged index from the slot headers (a page is entered
+only where every payload's slot holds its header and an intact payload). Every group is audited
+under its rank lock in each of its directories, taken without waiting: a group whose lock a
+store holds is reported as in use and left alone, and a group that appears meanwhile is not
+judged. Without ``fix`` nothing under the directories is written, not even a lock file.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import lmdb
 
 from ..errors import DiskStoreError
+from .disk_audit_group import GroupAudit, Problem, audit_group, group_where, rebuild_index
 from .disk_dir import (
     INDEX_DIR,
     SLAB_DIR,
@@ -36,54 +38,36 @@ from .disk_dir import (
     prepare_root,
     remove_index,
 )
-from .disk_format import (
-    ALIGN,
-    RankLock,
-    SlabFile,
-    SlabGeometry,
-    aligned_buffer,
-    check_slot,
-    decode_slot_header,
-    lock_path,
-)
+from .disk_format import RankLock, SlabFile, SlabGeometry, lock_path
 from .disk_index import DiskIndex, decode_key, decode_value
+from .disk_layout import Slab, check_roots, stripe_slabs
+from .disk_manifest import Layout, read_layout
 
-__all__ = ["INDEX_DIR", "SLAB_DIR", "AuditReport", "GroupAudit", "Problem", "audit_directory"]
+__all__ = [
+    "INDEX_DIR",
+    "SLAB_DIR",
+    "AuditReport",
+    "GroupAudit",
+    "Problem",
+    "audit_directories",
+    "audit_directory",
+    "audit_group",
+]
 
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One inconsistency: a short ``kind`` code, where it is, and what is wrong."""
-
-    kind: str
-    where: str
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.kind:<17} {self.where}: {self.detail}"
-
-
-@dataclass
-class GroupAudit:
-    """The audit of one (namespace, rank): its valid pages and what was wrong."""
-
-    namespace: bytes
-    rank: int
-    num_payloads: int
-    num_slots: int
-    pages: list[tuple[bytes, int, int]] = field(default_factory=list)  # (hash, slot, last_access)
-    problems: list[Problem] = field(default_factory=list)
+#: One slab file found: its path, the geometry its superblock describes, its size.
+_Found = tuple[Path, SlabGeometry, int]
 
 
 @dataclass
 class AuditReport:
-    """What ``kvstrata disk check`` found under one directory."""
+    """What ``kvstrata disk check`` found under its directories (``root``: the first)."""
 
     root: Path
     groups: list[GroupAudit] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     in_use: list[str] = field(default_factory=list)  # groups a store holds: not checked
     fixed: bool = False
+    roots: tuple[Path, ...] = ()
 
     @property
     def all_problems(self) -> list[Problem]:
@@ -94,164 +78,54 @@ class AuditReport:
         return not self.all_problems
 
 
-def _where(ns: bytes, rank: int, page_hash: bytes | None = None) -> str:
-    out = f"ns {ns.hex()[:16]} rank {rank}"
-    return out + (f" page {page_hash.hex()[:16]}" if page_hash is not None else "")
-
-
-def audit_group(
-    index: DiskIndex,
-    namespace: bytes,
-    rank: int,
-    slabs: Sequence[SlabFile],
-    *,
-    payload: bool,
-    fix: bool,
-) -> GroupAudit:
-    """Check every index entry of ``(namespace, rank)`` against its slabs (one per payload, in
-    kind order); with ``fix``, delete the entries of every page that fails."""
-    num_payloads, num_slots = len(slabs), slabs[0].geometry.num_slots
-    audit = GroupAudit(namespace, rank, num_payloads, num_slots)
-    # slot -> kind -> (page hash, last_access), with each entry's key (the index is by slot)
-    at_slot: dict[int, dict[int, tuple[bytes, int]]] = defaultdict(dict)
-    keys: dict[int, list[bytes]] = defaultdict(list)
-    for key, value in index.items(namespace):
-        decoded, found = decode_key(key), decode_value(value)
-        if decoded is not None and found is not None and found[1] == rank:
-            at_slot[decoded[1]][decoded[2]] = (found[0], found[2])
-            keys[decoded[1]].append(key)
-    bad: list[bytes] = []  # the keys --fix deletes
-
-    def fail(slot: int, page_hash: bytes, kind: str, detail: str) -> None:
-        audit.problems.append(Problem(kind, _where(namespace, rank, page_hash), detail))
-        bad.extend(keys[slot])
-
-    slots_of: dict[bytes, list[int]] = defaultdict(list)  # whole pages: the slots naming them
-    for slot, entries in sorted(at_slot.items()):
-        named = sorted({h for h, _ in entries.values()})
-        if len(named) > 1:
-            fail(slot, named[0], "slot-shared", f"{len(named)} pages claim slot {slot}")
-        elif set(entries) != set(range(num_payloads)):
-            fail(
-                slot,
-                named[0],
-                "page-incomplete",
-                f"payload entries {sorted(entries)} of {num_payloads} at slot {slot}",
-            )
-        elif slot >= num_slots:
-            fail(slot, named[0], "past-slab", f"slot {slot} past the slab's {num_slots} slots")
-        else:
-            slots_of[named[0]].append(slot)
-    by_slot: dict[int, list[tuple[bytes, int]]] = {}
-    for page_hash, slots in slots_of.items():
-        if len(slots) > 1:  # a page is in one slot; which copy is right is not known
-            for slot in slots:
-                fail(slot, page_hash, "slot-mismatch", f"the page is named at slots {slots}")
-            continue
-        slot = slots[0]
-        by_slot[slot] = [(page_hash, max(last for _, last in at_slot[slot].values()))]
-
-    buf = aligned_buffer(max(s.geometry.slot_bytes for s in slabs))
-    view = memoryview(buf)
-    for slot, claims in sorted(by_slot.items()):
-        for page_hash, last in sorted(claims):
-            reason = None
-            for kind, slab in enumerate(slabs):
-                geom = slab.geometry
-                n = geom.slot_bytes if payload else ALIGN
-                try:
-                    got = slab.read_slot(slot, view[:n])
-                except OSError as err:
-                    reason = f"slot {slot} payload {geom.payload_name}: read error: {err.strerror}"
-                    break
-                reason = check_slot(view[:got], kind, page_hash, geom.payload_len, payload=payload)
-                if reason is not None:
-                    reason = f"slot {slot} payload {geom.payload_name}: {reason}"
-                    break
-            if reason is None:
-                audit.pages.append((page_hash, slot, last))
-            else:
-                fail(slot, page_hash, "bad-slot", reason)
-    del view
-    buf.close()
-    if fix and bad:
-        index.delete_keys(sorted(set(bad)))
-    return audit
-
-
 def _open_group(
     where: str,
-    files: dict[int, tuple[Path, SlabGeometry, int]],
+    files: dict[int, dict[int, _Found]],
     report: AuditReport,
     fix: bool,
-) -> list[SlabFile] | None:
-    """The group's slabs in kind order, or None (with problems recorded) when it is unusable."""
-    counts = {g.num_payloads for _, g, _ in files.values()}
-    slots = {g.num_slots for _, g, _ in files.values()}
-    num_payloads = max(counts)
-    if len(counts) != 1 or len(slots) != 1 or set(files) != set(range(num_payloads)):
+) -> list[Slab] | None:
+    """The group's slabs in kind order (``files[kind][stripe]``), or None (with problems
+    recorded) when it is unusable."""
+    found = [f for per in files.values() for f in per.values()]
+    counts = {g.num_payloads for _, g, _ in found}
+    slots = {g.num_slots for _, g, _ in found}
+    stripes = {g.stripes for _, g, _ in found}
+    num_payloads, k = max(counts), max(stripes)
+    if (
+        len(counts) != 1
+        or len(slots) != 1
+        or set(files) != set(range(num_payloads))
+        or any(set(per) != set(range(k)) for per in files.values())
+    ):
+        each = {kind: sorted(per) for kind, per in files.items()}
         report.problems.append(
             Problem(
                 "group-incomplete",
                 where,
                 f"slabs for payload kinds {sorted(files)} of {sorted(counts)}, slot counts "
-                f"{sorted(slots)}",
+                f"{sorted(slots)}" + (f", stripes {each} of {k}" if k > 1 else ""),
             )
         )
         if fix:
-            for path, _, _ in files.values():
+            for path, _, _ in found:
                 path.unlink(missing_ok=True)
         return None
-    slabs = []
+    parts: list[list[SlabFile]] = [[] for _ in range(k)]  # [stripe][kind]
     for kind in range(num_payloads):
-        path, geom, size = files[kind]
-        if size < geom.file_bytes:
-            report.problems.append(
-                Problem("slab-truncated", str(path), f"{size} bytes of {geom.file_bytes}")
-            )
-            if fix:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-                try:
-                    os.posix_fallocate(fd, 0, geom.file_bytes)
-                finally:
-                    os.close(fd)
-        slabs.append(SlabFile(path, geom, direct=False, readonly=not fix))
-    return slabs
-
-
-def rebuild_index(index: DiskIndex, slabs: Sequence[SlabFile]) -> int:
-    """Enter every page whose slots all hold its header and an intact payload (a slot of a
-    dropped page may come back: its bytes are still that page's, verified); returns how many."""
-    geom0 = slabs[0].geometry
-    buf = aligned_buffer(max(s.geometry.slot_bytes for s in slabs))
-    view = memoryview(buf)
-    pages: list[tuple[bytes, int, int]] = []
-    seen: set[bytes] = set()
-    try:
-        for slot in range(geom0.num_slots):
-            page_hash: bytes | None = None
-            for kind, slab in enumerate(slabs):
-                try:
-                    got = slab.read_slot(slot, view[: slab.geometry.slot_bytes])
-                except OSError:
-                    page_hash = None
-                    break
-                if page_hash is None:
-                    head = decode_slot_header(view[:got])
-                    if isinstance(head, str):
-                        break
-                    page_hash = head.page_hash
-                if check_slot(view[:got], kind, page_hash, slab.geometry.payload_len) is not None:
-                    page_hash = None
-                    break
-            if page_hash is not None and page_hash not in seen:
-                seen.add(page_hash)
-                pages.append((page_hash, slot, 0))
-    finally:
-        del view
-        buf.close()
-    index.put_pages(geom0.namespace, geom0.rank, pages, len(slabs))
-    return len(pages)
+        for j in range(k):
+            path, geom, size = files[kind][j]
+            if size < geom.file_bytes:
+                report.problems.append(
+                    Problem("slab-truncated", str(path), f"{size} bytes of {geom.file_bytes}")
+                )
+                if fix:
+                    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    try:
+                        os.posix_fallocate(fd, 0, geom.file_bytes)
+                    finally:
+                        os.close(fd)
+            parts[j].append(SlabFile(path, geom, direct=False, readonly=not fix))
+    return stripe_slabs(parts)
 
 
 def _read_slabs(
@@ -283,7 +157,7 @@ def _read_slabs(
 
 def _audit_index(
     group: GroupFiles,
-    slabs: list[SlabFile] | None,
+    slabs: list[Slab] | None,
     ns: bytes | None,
     report: AuditReport,
     fix: bool,
@@ -317,7 +191,7 @@ def _audit_index(
                 report.problems.append(
                     Problem(
                         "entry-orphan",
-                        _where(decoded[0], found[1], found[0]),
+                        group_where(decoded[0], found[1], found[0]),
                         "no complete slab group for this namespace and rank",
                     )
                 )
@@ -332,7 +206,7 @@ def _audit_index(
 
 
 def _damaged(
-    group: GroupFiles, slabs: list[SlabFile] | None, report: AuditReport, fix: bool, why: str
+    group: GroupFiles, slabs: list[Slab] | None, report: AuditReport, fix: bool, why: str
 ) -> None:
     """A group's index that LMDB cannot read: reported; with ``fix``, rebuilt from the slabs
     (or removed when the group has none: no page of it can be served anyway)."""
@@ -359,25 +233,59 @@ def _damaged(
 
 
 def _audit_group_files(
-    root: Path, name: str, report: AuditReport, *, fix: bool, payload: bool
+    dirs: Sequence[Path], name: str, report: AuditReport, *, fix: bool, payload: bool
 ) -> None:
-    """One group, under its rank lock (tried, never waited for)."""
+    """One group over its directories ``dirs`` (its home first), under its rank lock in each
+    (tried, never waited for)."""
     ns_hex, rank = name.rsplit("-r", 1)
+    locks: list[RankLock] = []
     try:
-        lock = RankLock(lock_path(root / SLAB_DIR, bytes.fromhex(ns_hex), int(rank)), not fix)
-    except DiskStoreError:
-        report.in_use.append(name)
-        return
-    try:
-        # Listed again under the lock: what a store did before it let go counts, nothing after.
-        group = next((g for g in list_groups(root) if g.name == name), None)
-        if group is None:
+        for d in dirs:
+            try:
+                locks.append(
+                    RankLock(lock_path(d / SLAB_DIR, bytes.fromhex(ns_hex), int(rank)), not fix)
+                )
+            except DiskStoreError:
+                report.in_use.append(name)
+                return
+        # Listed again under the locks: what a store did before it let go counts, nothing after.
+        groups = [next((g for g in list_groups(d) if g.name == name), None) for d in dirs]
+        home = groups[0]
+        if home is None:
             return
-        found = _read_slabs(group, report, fix)
-        slabs: list[SlabFile] | None = None
+        merged: dict[tuple[bytes, int], dict[int, dict[int, _Found]]] = defaultdict(
+            lambda: defaultdict(dict)
+        )
+        for j, group in enumerate(groups):
+            for key, per_kind in _read_slabs(group, report, fix).items() if group else ():
+                for kind, (path, geom, size) in per_kind.items():
+                    if (geom.stripe, geom.stripes) != (j, len(dirs)):
+                        report.problems.append(
+                            Problem(
+                                "group-split",
+                                str(path),
+                                f"stripe {geom.stripe} of {geom.stripes}, checked as the "
+                                f"{j}-th of {len(dirs)} directories: give the group's "
+                                "directories together, in its order; left alone",
+                            )
+                        )
+                        return
+                    merged[key][kind][j] = (path, geom, size)
+        for j, group in enumerate(groups[1:], start=1):
+            if group is not None and group.index is not None:
+                report.problems.append(
+                    Problem(
+                        "index-stray",
+                        str(group.index),
+                        f"an index in stripe {j}'s directory; the group's is in {dirs[0]}",
+                    )
+                )
+                if fix:
+                    remove_index(group.index)
+        slabs: list[Slab] | None = None
         ns: bytes | None = None
-        for (group_ns, group_rank), files in sorted(found.items()):
-            where = _where(group_ns, group_rank)
+        for (group_ns, group_rank), files in sorted(merged.items()):
+            where = group_where(group_ns, group_rank)
             opened = _open_group(where, files, report, fix)
             if opened is not None and slabs is None:
                 slabs, ns = opened, group_ns
@@ -386,26 +294,88 @@ def _audit_group_files(
                 for slab in opened:
                     slab.close()
         try:
-            if group.index is not None:
-                _audit_index(group, slabs, ns, report, fix, payload)
+            if home.index is not None:
+                _audit_index(home, slabs, ns, report, fix, payload)
         finally:
             for slab in slabs or []:
                 slab.close()
     finally:
-        lock.release()
+        for lock in locks:
+            lock.release()
+
+
+def _units(roots: Sequence[Path], report: AuditReport) -> list[tuple[tuple[Path, ...], str]]:
+    """``(directories, group name)`` to audit: a group alone in each directory that holds it,
+    except the stripes of one store (their layout records name the same store), audited
+    together, home first, when every stripe is among ``roots`` (else reported, left alone)."""
+    listed = {r: {g.name: g for g in list_groups(r)} for r in roots}
+    units: list[tuple[tuple[Path, ...], str]] = []
+    for name in sorted({n for groups in listed.values() for n in groups}):
+        holders = [r for r in roots if name in listed[r]]
+        records: dict[Path, Layout | None] = {}
+        for r in holders:
+            path = listed[r][name].layout
+            try:
+                records[r] = read_layout(path) if path is not None else None
+            except DiskStoreError as err:
+                detail = str(err).split("; ")[0].removeprefix(f"{path} is ")
+                report.problems.append(Problem("layout-malformed", str(path), detail))
+                records[r] = None
+        placed: set[Path] = set()
+        for r in holders:
+            rec = records[r]
+            if r in placed:
+                continue
+            if rec is None or rec.stripes == 1:
+                units.append(((r,), name))
+                continue
+            members = {
+                q_rec.stripe: q
+                for q in holders
+                if (q_rec := records[q]) is not None
+                and (q_rec.store, q_rec.stripes)
+                == (
+                    rec.store,
+                    rec.stripes,
+                )
+            }
+            placed |= set(members.values())
+            if set(members) == set(range(rec.stripes)):
+                units.append((tuple(members[j] for j in range(rec.stripes)), name))
+                continue
+            missing = ", ".join(rec.dirs[j] for j in range(rec.stripes) if j not in members)
+            report.problems.append(
+                Problem(
+                    "group-split",
+                    f"{name} in {r}",
+                    f"its slots are striped over {', '.join(rec.dirs)}; {missing} not given: "
+                    f"check them together (kvstrata disk check {' '.join(rec.dirs)}); left alone",
+                )
+            )
+    return units
+
+
+def audit_directories(
+    roots: Sequence[Path], *, fix: bool = False, payload: bool = True
+) -> AuditReport:
+    """Audit every slab group and index entry under ``roots`` (disk tier directories; a group
+    striped over several is audited whole). Without ``fix`` nothing is written; a group in use
+    by a store is listed in ``in_use``, unchecked."""
+    paths = check_roots(roots)
+    for root in paths:
+        prepare_root(root, create=False)
+    report = AuditReport(paths[0], roots=paths)
+    for root in paths:
+        for path in foreign_files(root):
+            report.problems.append(
+                Problem("foreign-file", str(path), "not a name kvstrata writes; left alone")
+            )
+    for dirs, name in _units(paths, report):
+        _audit_group_files(dirs, name, report, fix=fix, payload=payload)
+    report.fixed = fix
+    return report
 
 
 def audit_directory(root: Path, *, fix: bool = False, payload: bool = True) -> AuditReport:
-    """Audit every slab group and index entry under ``root`` (a disk tier directory). Without
-    ``fix`` nothing is written; a group in use by a store is listed in ``in_use``, unchecked."""
-    root = Path(root)
-    prepare_root(root, create=False)
-    report = AuditReport(root)
-    for path in foreign_files(root):
-        report.problems.append(
-            Problem("foreign-file", str(path), "not a name kvstrata writes; left alone")
-        )
-    for group in list_groups(root):
-        _audit_group_files(root, group.name, report, fix=fix, payload=payload)
-    report.fixed = fix
-    return report
+    """:func:`audit_directories` of one directory."""
+    return audit_directories([root], fix=fix, payload=payload)

@@ -8,6 +8,7 @@ from typing import Literal
 
 from ..errors import ConfigError
 from .disk_events import ReloadDone, SpillDone
+from .disk_layout import check_roots
 
 #: More I/O threads than this buy nothing on any disk and cost a read buffer pair each.
 MAX_IO_THREADS = 64
@@ -22,7 +23,11 @@ class DiskConfig:
     """How one rank's disk tier is set up.
 
     root: the directory (created if missing); several ranks and namespaces may share it.
-    budget_bytes: disk bytes this rank's slabs take, all payloads together, preallocated.
+    more_roots: more directories, one per drive (``disk_layout.py``): with ``n`` in all, rank
+        ``r`` of ``cp_size`` takes ``(root, *more_roots)[r % n]`` when ``cp_size >= n``, else
+        every ``cp_size``-th from the ``r``-th and stripes its slots over them.
+    budget_bytes: disk bytes this rank's slabs take, all payloads and directories together,
+        preallocated (split evenly over its directories).
     start: ``"clear"`` (start empty) or ``"load"`` (keep what the index holds, verified).
     high_watermark / low_watermark: GC runs when a write would fill more than ``high`` of the
         slots and frees the least recently used pages down to ``low``.
@@ -37,9 +42,10 @@ class DiskConfig:
         a spill or reload for room among ``max_tickets``.
     read_threads: pages a read has in flight, each on a thread that reads, verifies and copies
         it (so reads overlap each other's CRC and copy, and the disk sees that queue depth;
-        3 read fastest on the development machine, against 1, 2 and 4: docs/benchmarks.md).
+        3 read fastest on the development machine, against 1, 2 and 4: docs/benchmarks.md);
+        per directory of the rank.
     write_threads: slot writes a spill batch has in flight (the writer thread still allocates
-        slots, collects garbage, syncs and commits alone).
+        slots, collects garbage, syncs and commits alone); per directory of the rank.
     """
 
     root: Path
@@ -54,9 +60,11 @@ class DiskConfig:
     io_timeout_s: float = 30.0
     read_threads: int = 3
     write_threads: int = 2
+    more_roots: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
+        object.__setattr__(self, "more_roots", check_roots([self.root, *self.more_roots])[1:])
         if self.start not in START_MODES:
             raise ConfigError(f"disk start must be one of {START_MODES}, got {self.start!r}")
         if self.io_mode not in IO_MODES:
@@ -84,6 +92,11 @@ class DiskConfig:
                 )
         if not self.io_timeout_s > 0:
             raise ConfigError(f"disk io_timeout_s must be > 0, got {self.io_timeout_s!r}")
+
+    @property
+    def roots(self) -> tuple[Path, ...]:
+        """Every directory of the tier, ``root`` first."""
+        return (self.root, *self.more_roots)
 
 
 def watermark_slots(config: DiskConfig, num_slots: int) -> tuple[int, int]:

@@ -7,8 +7,12 @@
       slabs/                    0700
         <ns>-r<rank>-<kind>-<payload>.slab      one per (namespace, rank, payload)
         <ns>-r<rank>.lock                       the group's flock (``disk_format.RankLock``)
+        <ns>-r<rank>.layout                     where the group's slabs live (``disk_manifest``)
       index/                    0700
         <ns>-r<rank>/           one LMDB environment per (namespace, rank): data.mdb, lock.mdb
+
+A group striped over several directories (``disk_layout.py``) has its slabs, lock and layout in
+each, and its index in the first (its home) only.
 
 ``<ns>`` is the first 16 hex digits of the namespace digest. A *group* is one (namespace, rank):
 its slabs, its lock and its index. Each group has an index of its own, so one process that stops
@@ -19,7 +23,7 @@ is only ever taken without blocking.
 kvstrata never follows a symbolic link and never writes into a directory it did not create or
 adopt: a ROOT that holds anything but kvstrata's own names and carries no marker (``/``, a home
 directory, a disk tier of an older layout) is refused. Inside, it deletes only names of its own
-patterns (:data:`SLAB_NAME`, :data:`TEMP_NAME`, a group's index directory).
+patterns (:data:`SLAB_NAME`, :data:`LAYOUT_NAME`, :data:`TEMP_NAME`, a group's index directory).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ SLAB_NAME = re.compile(
     r"^(?P<ns>[0-9a-f]{16})-r(?P<rank>\d+)-(?P<kind>\d+)-(?P<payload>\w{1,32})\.slab$"
 )
 LOCK_NAME = re.compile(r"^(?P<ns>[0-9a-f]{16})-r(?P<rank>\d+)\.lock$")
+LAYOUT_NAME = re.compile(r"^(?P<ns>[0-9a-f]{16})-r(?P<rank>\d+)\.layout$")
 GROUP_NAME = re.compile(r"^(?P<ns>[0-9a-f]{16})-r(?P<rank>\d+)$")
 #: A file being created (written whole under this name, then renamed into place).
 TEMP_NAME = re.compile(r"^(?P<final>[\w.-]+)\.tmp-(?P<pid>\d+)$")
@@ -60,6 +65,11 @@ def group_name(namespace: bytes, rank: int) -> str:
 def index_dir(root: Path, namespace: bytes, rank: int) -> Path:
     """The LMDB environment directory of one group."""
     return Path(root) / INDEX_DIR / group_name(namespace, rank)
+
+
+def layout_path(root: Path, namespace: bytes, rank: int) -> Path:
+    """The layout record of one group in one directory."""
+    return Path(root) / SLAB_DIR / f"{group_name(namespace, rank)}.layout"
 
 
 def temp_name(final: str) -> str:
@@ -75,6 +85,7 @@ class GroupFiles:
     lock: Path | None
     index: Path | None
     temps: tuple[Path, ...]
+    layout: Path | None = None
 
     @property
     def rank(self) -> int:
@@ -82,7 +93,7 @@ class GroupFiles:
 
     def nbytes(self) -> int:
         """Disk bytes the group's files take (allocated blocks)."""
-        paths = [*self.slabs, *self.temps]
+        paths = [*self.slabs, *self.temps, *([self.layout] if self.layout else [])]
         if self.index is not None:
             paths += [self.index / "data.mdb", self.index / "lock.mdb"]
         return sum(_allocated(p) for p in paths)
@@ -244,6 +255,7 @@ def list_groups(root: Path) -> list[GroupFiles]:
     slabs: dict[str, list[Path]] = {}
     temps: dict[str, list[Path]] = {}
     locks: dict[str, Path] = {}
+    layouts: dict[str, Path] = {}
     indexes: dict[str, Path] = {}
     slab_dir, idx_dir = Path(root) / SLAB_DIR, Path(root) / INDEX_DIR
     for name in sorted(os.listdir(slab_dir)) if is_real_dir(slab_dir) else []:
@@ -251,14 +263,16 @@ def list_groups(root: Path) -> list[GroupFiles]:
             slabs.setdefault(f"{m['ns']}-r{int(m['rank'])}", []).append(slab_dir / name)
         elif (m := LOCK_NAME.match(name)) is not None:
             locks[f"{m['ns']}-r{int(m['rank'])}"] = slab_dir / name
+        elif (m := LAYOUT_NAME.match(name)) is not None:
+            layouts[f"{m['ns']}-r{int(m['rank'])}"] = slab_dir / name
         elif (t := TEMP_NAME.match(name)) is not None and (
-            m := SLAB_NAME.match(t["final"])
+            m := SLAB_NAME.match(t["final"]) or LAYOUT_NAME.match(t["final"])
         ) is not None:
             temps.setdefault(f"{m['ns']}-r{int(m['rank'])}", []).append(slab_dir / name)
     for name in sorted(os.listdir(idx_dir)) if is_real_dir(idx_dir) else []:
         if GROUP_NAME.match(name) is not None:
             indexes[name] = idx_dir / name
-    names = sorted({*slabs, *locks, *indexes, *temps})
+    names = sorted({*slabs, *locks, *indexes, *temps, *layouts})
     return [
         GroupFiles(
             n,
@@ -266,6 +280,7 @@ def list_groups(root: Path) -> list[GroupFiles]:
             locks.get(n),
             indexes.get(n),
             tuple(temps.get(n, ())),
+            layouts.get(n),
         )
         for n in names
     ]
@@ -280,7 +295,8 @@ def foreign_files(root: Path) -> list[Path]:
         if not (
             SLAB_NAME.match(name)
             or LOCK_NAME.match(name)
-            or (t is not None and SLAB_NAME.match(t["final"]))
+            or LAYOUT_NAME.match(name)
+            or (t is not None and (SLAB_NAME.match(t["final"]) or LAYOUT_NAME.match(t["final"])))
             or name.startswith(".odirect-probe-")
         ):
             out.append(slab_dir / name)
@@ -294,7 +310,7 @@ def remove_group_files(group: GroupFiles) -> int:
     """Delete a group's slabs, temp files and index (never its lock file: a store that waits for
     it holds an open descriptor to it). The caller holds the group's lock. Returns bytes freed."""
     freed = group.nbytes()
-    for path in (*group.slabs, *group.temps):
+    for path in (*group.slabs, *group.temps, *([group.layout] if group.layout else [])):
         refuse_link(path)
         path.unlink(missing_ok=True)
     if group.index is not None:

@@ -1,7 +1,8 @@
 """The disk tier's bytes on disk: slab files of fixed 4 KiB-aligned slots, and their I/O.
 
-One preallocated slab file per (namespace, rank, payload). Its first 4 KiB are a *superblock*
-that says what the file holds; slot ``s`` follows at ``ALIGN + s * slot_bytes``::
+One preallocated slab file per (namespace, rank, payload) in each directory the rank's slots are
+striped over (``disk_layout.py``). Its first 4 KiB are a *superblock* that says what the file
+holds (the stripe included); slot ``s`` follows at ``ALIGN + s * slot_bytes``::
 
     offset 0            ALIGN               ALIGN + slot_bytes
     | superblock | pad  | header | payload | pad | header | payload | pad | ...
@@ -45,6 +46,8 @@ from .page_hash import FORMAT_VERSION
 ALIGN = 4096
 #: The most slots one vectored read or write covers (Linux's IOV_MAX).
 MAX_RUN_SLOTS = 1024
+#: The most directories one rank's slots are striped over (the superblock keeps it in a byte).
+MAX_STRIPES = 256
 SLOT_HEADER_BYTES = 64
 PAGE_MAGIC = b"KVSTRPG\0"
 SLAB_MAGIC = b"KVSTRSB\0"
@@ -162,7 +165,9 @@ def check_slot(
 
 @dataclass(frozen=True, slots=True)
 class SlabGeometry:
-    """What one slab file holds: ``num_slots`` slots of payload ``kind`` of ``num_payloads``."""
+    """What one slab file holds: ``num_slots`` slots of payload ``kind`` of ``num_payloads``;
+    stripe ``stripe`` of ``stripes`` when the rank's slots are striped over several directories
+    (``disk_layout.py``: its global slot ``s * stripes + stripe`` is this file's slot ``s``)."""
 
     namespace: bytes
     rank: int
@@ -171,6 +176,11 @@ class SlabGeometry:
     payload_name: str
     payload_len: int
     num_slots: int
+    stripe: int = 0
+    stripes: int = 1
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.stripes <= MAX_STRIPES and 0 <= self.stripe < self.stripes
 
     @property
     def slot_bytes(self) -> int:
@@ -209,7 +219,7 @@ class SlabGeometry:
             FORMAT_VERSION,
             self.payload_kind,
             self.num_payloads,
-            0,
+            (self.stripes - 1) << 8 | self.stripe,  # 0 (one stripe) in slabs before striping
             self.rank,
             self.namespace,
             name,
@@ -226,9 +236,19 @@ class SlabGeometry:
         if len(buf) < size or not any(buf[:size]):
             return NO_SUPERBLOCK
         fields = _SUPER_HEAD.unpack_from(buf)
-        magic, version, kind, num_payloads, _, rank, ns, name, length, slot_bytes, num_slots = (
-            fields
-        )
+        (
+            magic,
+            version,
+            kind,
+            num_payloads,
+            striping,
+            rank,
+            ns,
+            name,
+            length,
+            slot_bytes,
+            num_slots,
+        ) = fields
         if magic != SLAB_MAGIC:
             return "not a kvstrata slab (bad magic)"
         if _CRC.unpack_from(buf, _SUPER_HEAD.size)[0] != crc32c(
@@ -237,7 +257,20 @@ class SlabGeometry:
             return "superblock CRC mismatch"
         if version != FORMAT_VERSION:
             return f"slab format version {version}; this kvstrata reads {FORMAT_VERSION}"
-        geom = cls(ns, rank, kind, num_payloads, name.rstrip(b"\0").decode(), length, num_slots)
+        stripe, stripes = striping & 0xFF, (striping >> 8) + 1
+        if stripe >= stripes:
+            return f"inconsistent superblock (stripe {stripe} of {stripes})"
+        geom = cls(
+            ns,
+            rank,
+            kind,
+            num_payloads,
+            name.rstrip(b"\0").decode(),
+            length,
+            num_slots,
+            stripe,
+            stripes,
+        )
         if geom.slot_bytes != slot_bytes or not 0 <= kind < num_payloads:
             return f"inconsistent superblock (slot bytes {slot_bytes}, kind {kind}/{num_payloads})"
         return geom
@@ -432,6 +465,20 @@ class SlabFile:
                 break
             i = done // size
         return done
+
+    # What :class:`~kvstrata.tiers.disk_layout.StripedSlab` offers over several files: a rank
+    # with one directory has one file per payload, a slab of one stripe.
+    stripes = 1
+
+    @property
+    def files(self) -> list[SlabFile]:
+        return [self]
+
+    def read_run(self, first_slot: int, bufs: list[memoryview]) -> int:
+        return self.read_slots(first_slot, bufs)
+
+    def write_run(self, first_slot: int, bufs: list[memoryview]) -> None:
+        self.write_slots(first_slot, bufs)
 
     def sync(self) -> None:
         os.fdatasync(self._fd)

@@ -1,21 +1,156 @@
-"""Opening one group's slab files when a :class:`~kvstrata.tiers.disk_store.DiskStore` starts.
+"""Opening one group's files when a :class:`~kvstrata.tiers.disk_store.DiskStore` starts.
 
-Run under the group's lock (nobody else creates or removes this group's files): the I/O mode
-(O_DIRECT where the filesystem takes it), leftovers of a killed creation, the room the slabs
-need (naming what other namespaces take, for ``disk gc``), and the slabs themselves, reused
-where their geometry matches (``clear``) or opened as they are (``load``).
+:func:`size_group` turns the budget into slots per stripe; :class:`OpenGroup` opens the group
+over its directories (``disk_layout.py``), each under the group's lock there (nobody else creates
+or removes this group's files): the layout record (``disk_manifest.py``, checked on ``load``), the
+I/O mode (O_DIRECT where every directory's filesystem takes it), leftovers of a killed creation,
+the room the slabs need (naming what other namespaces take, for ``disk gc``), the index in the
+home directory, and the slabs themselves, reused where their geometry matches (``clear``) or
+opened as they are (``load``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import DiskStoreError
-from .disk_dir import TEMP_NAME, group_name, list_groups
+from ..errors import ConfigError, DiskStoreError
+from .disk_config import DiskConfig, watermark_slots
+from .disk_dir import (
+    SLAB_DIR,
+    TEMP_NAME,
+    group_name,
+    index_dir,
+    layout_path,
+    list_groups,
+    prepare_root,
+    remove_index,
+)
 from .disk_events import log
-from .disk_format import NO_SUPERBLOCK, SlabFile, SlabGeometry, probe_direct_io
+from .disk_format import (
+    ALIGN,
+    NO_SUPERBLOCK,
+    RankLock,
+    SlabFile,
+    SlabGeometry,
+    lock_path,
+    probe_direct_io,
+)
+from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, DiskIndex
+from .disk_layout import Slab, stripe_slabs
+from .disk_manifest import settle_layout
+from .page_hash import Namespace
+
+
+@dataclass(frozen=True)
+class GroupSize:
+    """One rank's slabs: ``geoms[stripe][kind]``, and its slots (all stripes) and watermarks."""
+
+    geoms: list[list[SlabGeometry]]
+    num_slots: int
+    page_bytes: int  # disk bytes of one page, all payloads, headers and padding included
+    high_slots: int
+    low_slots: int
+
+
+def size_group(namespace: Namespace, rank: int, config: DiskConfig, stripes: int) -> GroupSize:
+    """The geometry ``config.budget_bytes`` buys over ``stripes`` directories (an even split:
+    every stripe holds as many slots); refuses a budget too small for the watermarks."""
+    num_payloads = len(namespace.payloads)
+    base = [
+        SlabGeometry(namespace.digest, rank, k, num_payloads, p.name, namespace.payload_bytes(k), 1)
+        for k, p in enumerate(namespace.payloads)
+    ]
+    page_bytes = sum(g.slot_bytes for g in base)
+    per_stripe = max(0, (config.budget_bytes // stripes - num_payloads * ALIGN) // page_bytes)
+    num_slots = per_stripe * stripes
+    high, low = watermark_slots(config, num_slots)
+    if low < 1 or high <= low:
+        least = stripes
+        while not 1 <= watermark_slots(config, least)[1] < watermark_slots(config, least)[0]:
+            least += stripes
+        over = f" over {stripes} directories" if stripes > 1 else ""
+        raise ConfigError(
+            f"a disk budget of {config.budget_bytes:,} bytes holds {num_slots} pages of "
+            f"{page_bytes:,} bytes{over}, too few for the watermarks; give it at least "
+            f"{least * page_bytes + stripes * num_payloads * ALIGN:,} bytes ({least} pages)"
+        )
+    geoms = [
+        [replace(g, num_slots=per_stripe, stripe=j, stripes=stripes) for g in base]
+        for j in range(stripes)
+    ]
+    return GroupSize(geoms, num_slots, page_bytes, high, low)
+
+
+class OpenGroup:
+    """One rank's files over its directories ``dirs`` (home first): the locks, the layout
+    record, the index (in the home), one slab per payload (``disk_layout.Slab``). :meth:`close`
+    releases whatever was opened, also after a start that failed part way."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        rank: int,
+        config: DiskConfig,
+        dirs: Sequence[Path],
+        size: GroupSize,
+    ) -> None:
+        self.namespace, self.rank, self.config = namespace, rank, config
+        self.dirs, self.size = tuple(dirs), size
+        self.locks: list[RankLock] = []
+        self.files: list[list[SlabFile]] = [[] for _ in dirs]  # [stripe][kind]
+        self.slabs: list[Slab] = []
+        self.index: DiskIndex | None = None
+        self.io_mode = ""
+        self.truncated = 0  # slabs a load start found short and extended
+
+    def open(self) -> None:
+        ns, rank, cfg, dirs = self.namespace.digest, self.rank, self.config, self.dirs
+        for d in dirs:
+            prepare_root(d)  # a marked directory of kvstrata's (or refused), 0700
+        # The locks first: also the check that each directory is writable at all. Nothing of
+        # this group is read or written before they are held.
+        for d in dirs:
+            self.locks.append(RankLock(lock_path(d / SLAB_DIR, ns, rank)))
+        for d, geoms in zip(dirs, self.size.geoms, strict=True):
+            remove_temps(
+                d / SLAB_DIR, [g.file_name() for g in geoms] + [layout_path(d, ns, rank).name]
+            )
+        settle_layout(dirs, cfg.roots, ns, rank, cfg.start)  # a load given other dirs: refused
+        modes = {choose_io(cfg.io_mode, d / SLAB_DIR) for d in dirs}
+        self.io_mode = "direct" if modes == {"direct"} else "buffered"
+        path = index_dir(dirs[0], ns, rank)
+        if cfg.start == "clear":  # whatever state it was in: clear always starts
+            for d in dirs:  # a stripe's directory was the home of an earlier layout: its index
+                if index_dir(d, ns, rank).exists():
+                    remove_index(index_dir(d, ns, rank))
+        entries = self.size.num_slots * len(self.namespace.payloads)
+        self.index = DiskIndex(path, map_size=entries * MAP_BYTES_PER_ENTRY)
+        self.index.reserve(max(entries * RESERVE_BYTES_PER_ENTRY, 1 << 20))
+        direct = self.io_mode == "direct"
+        for d, geoms, out in zip(dirs, self.size.geoms, self.files, strict=True):
+            if cfg.start == "clear":
+                open_clear(d, d / SLAB_DIR, geoms, direct, out)
+            else:
+                self.truncated += open_load(d, d / SLAB_DIR, geoms, direct, out)
+        self.slabs = stripe_slabs(self.files)
+        if cfg.start == "clear":
+            self.index.clear(ns, rank)
+
+    def close(self) -> None:
+        for files in self.files:
+            for slab in files:
+                slab.close()
+        self.files = [[] for _ in self.dirs]
+        self.slabs = []
+        if self.index is not None:
+            self.index.close()
+            self.index = None
+        for lock in self.locks:
+            lock.release()
+        self.locks = []
 
 
 def choose_io(io_mode: str, slab_dir: Path) -> str:
@@ -39,9 +174,9 @@ def choose_io(io_mode: str, slab_dir: Path) -> str:
     return "buffered"
 
 
-def remove_temps(slab_dir: Path, geoms: Sequence[SlabGeometry]) -> None:
-    """Slabs whose creation a killed process of this group left half-made."""
-    ours = {g.file_name() for g in geoms}
+def remove_temps(slab_dir: Path, finals: Sequence[str]) -> None:
+    """Files of this group (named ``finals``) whose creation a killed process left half-made."""
+    ours = set(finals)
     for name in os.listdir(slab_dir):
         m = TEMP_NAME.match(name)
         if m is not None and m["final"] in ours:

@@ -1,9 +1,10 @@
 """Verified reads of the disk tier: slab slots into host pool pages, several pages in flight.
 
-A read splits its pages into *runs*: pages in consecutive slots, up to :data:`RUN_BYTES` of one
-payload's slab (pages spilled together get consecutive slots, so a prefix is a few runs). Each
-run is read on one of ``read_threads`` threads, with one vectored O_DIRECT read per payload slab
-into aligned buffers; every slot is then checked (``disk_format.check_slot``: magic, format,
+A read splits its pages into *runs*: pages in consecutive slots of one file, up to
+:data:`RUN_BYTES` of one payload's slab (pages spilled together get consecutive slots, so a
+prefix is a few runs; with slots striped over several drives, a few runs per drive, interleaved:
+``disk_layout.stripe_runs``). Each run is read on one of ``read_threads`` threads, with one
+vectored O_DIRECT read per payload slab into aligned buffers; every slot is then checked (``disk_format.check_slot``: magic, format,
 kind, hash, length, header and payload CRC), the index is asked once, in one transaction,
 whether it still names each slot, and only then is each page's payload copied into its host
 slot. Up to ``2 * read_threads`` runs are in flight, so the disk always has the next reads
@@ -33,7 +34,8 @@ import lmdb
 
 from .disk_buffers import HostPages, Staging, host_pages
 from .disk_events import Counters, RateLimitedLog
-from .disk_format import MAX_RUN_SLOTS, SlabFile, check_slot
+from .disk_format import MAX_RUN_SLOTS, check_slot
+from .disk_layout import Slab, stripe_runs
 from .host_pool import HostPool
 from .page_hash import Namespace
 
@@ -65,7 +67,7 @@ class PageReader:
         self,
         namespace: Namespace,
         rank: int,
-        slabs: list[SlabFile],
+        slabs: Sequence[Slab],
         locate: Callable[[Sequence[bytes]], list[int | None]],
         confirm: Callable[[Sequence[bytes], Sequence[int]], list[bool]],
         counters: Counters,
@@ -118,18 +120,6 @@ class PageReader:
     def close(self) -> None:
         self._io.shutdown(wait=False, cancel_futures=True)
 
-    def _runs(self, slots: list[int]) -> list[tuple[int, int]]:
-        """``(first page, pages)`` of each run of consecutive slots, in page order."""
-        runs: list[tuple[int, int]] = []
-        for i, slot in enumerate(slots):
-            if runs:
-                start, n = runs[-1]
-                if slot == slots[start] + n and n < self.run_pages:
-                    runs[-1] = (start, n + 1)
-                    continue
-            runs.append((i, 1))
-        return runs
-
     def _read_locked(
         self,
         hashes: Sequence[bytes],
@@ -160,53 +150,61 @@ class PageReader:
         if not slots:
             return
         timeout = self.io_timeout_s
-        runs = self._runs(slots)
+        runs = stripe_runs(slots, self._slabs[0].stripes, self.run_pages)
         pages = host_pages(host_pool)
-        # (first page, pages, its buffer, its read): after a failure the runs in flight are not
+        # (the run's pages, its buffer, its read): after a failure the runs in flight are not
         # the last pages read.
-        pending: deque[tuple[int, int, Staging, concurrent.futures.Future[list[_Result]]]] = deque()
+        pending: deque[tuple[list[int], Staging, concurrent.futures.Future[list[_Result]]]] = (
+            deque()
+        )
 
         gate = _Gate()
 
         def submit(r: int, buf: Staging) -> None:
-            start, n = runs[r]
-            end = start + n
-            args = (hashes[start:end], slots[start:end], buf, pages, host_slots[start:end], gate)
-            pending.append((start, n, buf, self._io.submit(self._load_run, *args)))
+            run = runs[r]
+            args = (
+                [hashes[i] for i in run],
+                [slots[i] for i in run],
+                buf,
+                pages,
+                [host_slots[i] for i in run],
+                gate,
+            )
+            pending.append((run, buf, self._io.submit(self._load_run, *args)))
 
         for r, buf in enumerate(self._read_bufs[: len(runs)]):  # `depth` runs in flight
             submit(r, buf)
         next_run = len(pending)
 
-        def collect(start: int, n: int, results: list[_Result]) -> bool:
+        def collect(run: list[int], results: list[_Result]) -> bool:
             """Mark a run's pages; False when one failed."""
             whole = True
-            for j, failed in enumerate(results):
-                ok[start + j] = failed is None
+            for i, failed in zip(run, results, strict=True):
+                ok[i] = failed is None
                 if failed is not None:
                     whole = False
-                    self._failed_read(hashes[start + j], slots[start + j], *failed)
+                    self._failed_read(hashes[i], slots[i], *failed)
             return whole
 
         try:
             while pending:
-                start, n, buf, future = pending.popleft()
+                run, buf, future = pending.popleft()
                 try:
                     results = future.result(timeout=timeout)
                 except concurrent.futures.TimeoutError:
                     self._read_bufs = self._new_read_buffers()  # the stuck read keeps the old
-                    results = [("read_errors", f"a slot read took over {timeout} s")] * n
-                if not collect(start, n, results):
+                    results = [("read_errors", f"a slot read took over {timeout} s")] * len(run)
+                if not collect(run, results):
                     return
                 if next_run < len(runs):  # the run's buffer is free again
                     submit(next_run, buf)
                     next_run += 1
         finally:
-            for start, n, _, future in pending:
+            for run, _, future in pending:
                 if future.cancel():
                     continue
                 try:  # a page read after one that failed still landed whole in its own slot
-                    collect(start, n, future.result(timeout=timeout))
+                    collect(run, future.result(timeout=timeout))
                 except concurrent.futures.TimeoutError:
                     self._read_bufs = self._new_read_buffers()
             gate.close()  # a run still going copies nothing from here on
@@ -236,7 +234,7 @@ class PageReader:
         checks: list[str | None] = [None] * n  # why a slot that was read does not check out
         for k, slab in enumerate(self._slabs):
             views = [buf.slot(b, k) for b in range(n)]
-            self._read_views(slab, slots[0], views, results)
+            self._read_views(slab, slots, views, results)
             for b, view in enumerate(views):
                 if results[b] is None and checks[b] is None:
                     why = check_slot(view, k, hashes[b], self._payload_len[k])
@@ -269,18 +267,18 @@ class PageReader:
 
     @staticmethod
     def _read_views(
-        slab: SlabFile, first: int, views: list[memoryview], results: list[_Result]
+        slab: Slab, slots: Sequence[int], views: list[memoryview], results: list[_Result]
     ) -> None:
-        """Read consecutive slots into ``views`` (one vectored read; slot by slot after an
-        error, so that only the slots that fail are lost); failures go to ``results``."""
+        """Read a run's slots into ``views`` (one vectored read; slot by slot after an error,
+        so that only the slots that fail are lost); failures go to ``results``."""
         size = slab.geometry.slot_bytes
         try:
-            got = [slab.read_slots(first, views)]
+            got = [slab.read_run(slots[0], views)]
         except OSError:
             got = []
             for b, view in enumerate(views):
                 try:
-                    got.append(slab.read_slot(first + b, view))
+                    got.append(slab.read_slot(slots[b], view))
                 except OSError as err:
                     got.append(-1)
                     if results[b] is None:

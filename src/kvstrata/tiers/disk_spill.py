@@ -11,11 +11,12 @@ gather thread (``disk_gather.py``) and the writer thread (here)::
         its host slots before any disk I/O
     ─▶ staged (FIFO) ─▶ WRITER thread
         a job's start: delete its victims' index entries (one durable commit)
-        a chunk: one vectored pwrite per payload slab for each run of consecutive slots
-            (``write_threads`` runs in flight; plans hand out slots in ascending runs)
-        a batch's end: fdatasync every slab, then publish its pages (one durable commit);
-            while more staged work is queued, up to GROUP_COMMIT_BATCHES ended batches share
-            that sync and commit (a GC delete or a drop first commits the batches before it)
+        a chunk: one vectored pwrite per payload slab for each run of consecutive slots of
+            one file (``write_threads`` runs in flight; plans hand out slots in ascending runs,
+            which striped over several drives are a run per drive: ``disk_layout.py``)
+        a batch's end: fdatasync every slab file (the drives' at once), then publish its pages
+            (one durable commit); while more staged work is queued, up to GROUP_COMMIT_BATCHES
+            ended batches share that sync and commit (a GC delete or a drop commits first)
         a drop (a page a read found bad): delete its entries (one commit)
         post SPILLED(ticket) when every page of a job is durable or failed
 
@@ -32,16 +33,17 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import lmdb
 
 from .disk_buffers import Staging
 from .disk_events import POLL_S, Counters, Events, RateLimitedLog, log
-from .disk_format import MAX_RUN_SLOTS, SlabFile
+from .disk_format import MAX_RUN_SLOTS
 from .disk_gather import Begin, Chunk, Commit, Drop, Gatherer, Staged
 from .disk_index import DiskIndex
+from .disk_layout import Slab
 from .disk_plan import SpillJob, SpillPlanner
 from .disk_slots import SlotPool
 from .page_hash import Namespace
@@ -70,7 +72,7 @@ class SpillPipeline:
         self,
         namespace: Namespace,
         rank: int,
-        slabs: list[SlabFile],
+        slabs: Sequence[Slab],
         index: DiskIndex,
         pool: SlotPool,
         planner: SpillPlanner,
@@ -86,6 +88,7 @@ class SpillPipeline:
         self.planner, self.state_lock, self.counters = planner, state_lock, counters
         self.events, self.staging, self.warn = events, staging, warn
         self.num_payloads = len(slabs)
+        self.stripes = slabs[0].stripes  # directories the slots are striped over
         self.payload_len = [namespace.payload_bytes(k) for k in range(self.num_payloads)]
         self.stop = threading.Event()
         self.gather = Gatherer(namespace, staging, pool, planner, state_lock, events, self.stop)
@@ -231,9 +234,10 @@ class SpillPipeline:
         self.events.pages_done([(item.job, item.page_hash) for item in items], ok)
 
     def _write_chunk(self, pages: list[Staged], batch: _Batch) -> None:
-        """Start writing staged pages into their planned slots, a run of consecutive slots at a
-        time; they become durable when their batch commits."""
-        run: list[Staged] = []
+        """Start writing staged pages into their planned slots, a run of consecutive slots of
+        one file at a time (one run per drive at once where slots are striped); they become
+        durable when their batch commits."""
+        runs: dict[int, list[Staged]] = {}  # stripe -> the run being gathered there
         for item in pages:
             if item.slot < 0:
                 batch.dupes.append(item)
@@ -243,30 +247,42 @@ class SpillPipeline:
                     self.counters.add(write_errors=1)
                 self._fail(item)
                 continue
-            if run and (item.slot != run[-1].slot + 1 or len(run) >= MAX_RUN_SLOTS):
+            run = runs.setdefault(item.slot % self.stripes, [])
+            if run and (item.slot != run[-1].slot + self.stripes or len(run) >= MAX_RUN_SLOTS):
                 batch.written.append((run, self._writers.submit(self._write_run, run)))
-                run = []
+                run = runs[item.slot % self.stripes] = []
             run.append(item)
-        if run:
-            batch.written.append((run, self._writers.submit(self._write_run, run)))
+        for run in runs.values():
+            if run:
+                batch.written.append((run, self._writers.submit(self._write_run, run)))
 
     def _write_run(self, run: list[Staged]) -> list[int]:
-        """Write a run of pages in consecutive slots: one vectored write per payload slab. On
-        an error each slot is written alone, so that only the pages that fail are lost; returns
-        their positions in the run."""
+        """Write a run of pages in consecutive slots of one file: one vectored write per payload
+        slab. On an error each slot is written alone, so that only the pages that fail are
+        lost; returns their positions in the run."""
         first, failed = run[0].slot, set()
         for kind, slab in enumerate(self.slabs):
             bufs = [self.staging.slot(item.block or 0, kind) for item in run]
             try:
-                slab.write_slots(first, bufs)
+                slab.write_run(first, bufs)
             except OSError:
-                for i, buf in enumerate(bufs):
+                for i, (item, buf) in enumerate(zip(run, bufs, strict=True)):
                     try:
-                        slab.write_slot(first + i, buf)
+                        slab.write_slot(item.slot, buf)
                     except OSError as err:
                         failed.add(i)
-                        self.warn.warn("write", f"write to slot {first + i} failed: {err!r}")
+                        self.warn.warn("write", f"write to slot {item.slot} failed: {err!r}")
         return sorted(failed)
+
+    def _sync(self) -> None:
+        """fdatasync every slab file, the files of different drives at once; raises OSError."""
+        files = [f for slab in self.slabs for f in slab.files]
+        if self.stripes == 1:
+            for f in files:
+                f.sync()
+            return
+        for future in [self._writers.submit(f.sync) for f in files]:
+            future.result(timeout=self.io_timeout_s)
 
     def _commit(self, batch: _Batch) -> None:
         """Wait for the batch's writes, fdatasync every slab, then publish the pages written in
@@ -289,9 +305,8 @@ class SpillPipeline:
         ok = False
         if written:
             try:
-                for slab in self.slabs:
-                    slab.sync()
-            except OSError as err:
+                self._sync()
+            except (OSError, concurrent.futures.TimeoutError) as err:
                 self.counters.add(write_errors=len(written))
                 self.warn.warn("write", f"fdatasync failed: {err}")
             else:

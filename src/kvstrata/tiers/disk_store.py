@@ -13,11 +13,14 @@
 
 Layout under ``root`` (``disk_dir.py``): a marker, ``index/`` (one LMDB environment per namespace
 and rank, ``disk_index.py``), ``slabs/`` (one slab file per namespace, rank and payload,
-``disk_format.py``, and a lock file per namespace and rank). The budget is split into equal slot
-counts per payload: a page takes slot ``s`` of every payload's slab. Cold start ``clear`` starts
+``disk_format.py``, a lock file and a layout record per namespace and rank). Given several
+directories (``DiskConfig.more_roots``), a rank takes one or stripes its slots over several
+(``disk_layout.py``; its index in the first). The budget is split into equal slot counts per
+payload: a page takes slot ``s`` of every payload's slab. Cold start ``clear`` starts
 this rank's index afresh (whatever state it was in; slabs of the right geometry are kept, others
 recreated); ``load`` keeps it, cross-checks each entry against its slot headers and frees what
-does not check out (``disk_audit.audit_group``), and refuses a damaged index with the way out.
+does not check out (``disk_audit.audit_group``), and refuses a damaged index, or directories that
+differ from those it was written to (``disk_manifest.py``), with the way out.
 
 Every read is verified (header magic, format, kind, hash, length, header and payload CRC-32C) and
 then confirmed against the index; a page that fails is a counted miss and is dropped from the
@@ -30,25 +33,13 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import lmdb
 
 from ..errors import CapacityError, ConfigError, DiskStoreError
 from .disk_audit import GroupAudit, Problem, audit_group
 from .disk_buffers import Staging
-from .disk_config import (
-    DiskConfig,
-    DiskPoll,
-    DiskStats,
-    watermark_slots,
-)
-from .disk_dir import (
-    SLAB_DIR,
-    index_dir,
-    prepare_root,
-    remove_index,
-)
+from .disk_config import DiskConfig, DiskPoll, DiskStats
 from .disk_events import (
     POLL_S,
     Counters,
@@ -58,16 +49,10 @@ from .disk_events import (
     SpillDone,
     log,
 )
-from .disk_format import (
-    ALIGN,
-    CRC32C_HARDWARE,
-    RankLock,
-    SlabFile,
-    SlabGeometry,
-    lock_path,
-)
-from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, WAY_OUT, DiskIndex
-from .disk_open import choose_io, open_clear, open_load, remove_temps
+from .disk_format import CRC32C_HARDWARE
+from .disk_index import WAY_OUT
+from .disk_layout import rank_roots
+from .disk_open import OpenGroup, size_group
 from .disk_plan import SpillJob, SpillPlanner
 from .disk_read import PageReader
 from .disk_slots import SlotPool
@@ -97,75 +82,32 @@ class DiskStore:
         self._closed = True
         self._warn = RateLimitedLog()
         self.counters = Counters()
-        num_payloads = len(namespace.payloads)
-        self._payload_len = [namespace.payload_bytes(k) for k in range(num_payloads)]
-        geoms = [
-            SlabGeometry(namespace.digest, rank, k, num_payloads, p.name, self._payload_len[k], 1)
-            for k, p in enumerate(namespace.payloads)
-        ]
-        page_bytes = sum(g.slot_bytes for g in geoms)
-        num_slots = (config.budget_bytes - num_payloads * ALIGN) // page_bytes
-        self.high_slots, self.low_slots = watermark_slots(config, num_slots)
-        if self.low_slots < 1 or self.high_slots <= self.low_slots:
-            least = 1
-            while not 1 <= watermark_slots(config, least)[1] < watermark_slots(config, least)[0]:
-                least += 1
-            raise ConfigError(
-                f"a disk budget of {config.budget_bytes:,} bytes holds {max(num_slots, 0)} pages of "
-                f"{page_bytes:,} bytes, too few for the watermarks; give it at least "
-                f"{least * page_bytes + num_payloads * ALIGN:,} bytes ({least} pages)"
-            )
-        self.num_slots, self.page_bytes = num_slots, page_bytes
-        self._geoms = [
-            SlabGeometry(
-                g.namespace,
-                rank,
-                g.payload_kind,
-                num_payloads,
-                g.payload_name,
-                g.payload_len,
-                num_slots,
-            )
-            for g in geoms
-        ]
-        prepare_root(config.root)  # a marked directory of kvstrata's (or refused), 0700
-        slab_dir = config.root / SLAB_DIR
-        # The lock first: it is also the check that the directory is writable at all. Nothing of
-        # this group is read or written before it is held.
-        self._lock = RankLock(lock_path(slab_dir, namespace.digest, rank))
-        self._slabs: list[SlabFile] = []
-        self._index: DiskIndex | None = None
+        #: This rank's directories, its home (the index's) first (``disk_layout.rank_roots``).
+        self.dirs = tuple(
+            config.roots[i] for i in rank_roots(len(config.roots), rank, namespace.cp_size)
+        )
+        size = size_group(namespace, rank, config, len(self.dirs))
+        self.num_slots, self.page_bytes = size.num_slots, size.page_bytes
+        self.high_slots, self.low_slots = size.high_slots, size.low_slots
+        self._geoms = size.geoms[0]
+        self._group = OpenGroup(namespace, rank, config, self.dirs, size)
         try:
-            remove_temps(slab_dir, self._geoms)
-            self.io_mode = choose_io(self.config.io_mode, slab_dir)
-            entries = num_slots * num_payloads
-            path = index_dir(config.root, namespace.digest, rank)
-            if config.start == "clear" and path.exists():
-                remove_index(path)  # whatever state it was in: clear always starts
-            self._index = DiskIndex(path, map_size=entries * MAP_BYTES_PER_ENTRY)
-            self._index.reserve(max(entries * RESERVE_BYTES_PER_ENTRY, 1 << 20))
-            self.pool = SlotPool(num_slots)
-            if config.start == "clear":
-                self._start_clear(slab_dir)
-            else:
-                self._start_load(slab_dir)
+            self._group.open()
+            self.io_mode = self._group.io_mode
+            self._slabs, self._index = self._group.slabs, self._group.index
+            self.pool = SlotPool(self.num_slots)
+            if config.start == "load":
+                self._start_load()
             self._start_threads()
         except BaseException:
-            self._release_files()
+            self._group.close()
             raise
         self._closed = False
 
     # -- start -----------------------------------------------------------------------------------
 
-    def _start_clear(self, slab_dir: Path) -> None:
-        open_clear(self.config.root, slab_dir, self._geoms, self.io_mode == "direct", self._slabs)
-        assert self._index is not None
-        self._index.clear(self.namespace.digest, self.rank)
-
-    def _start_load(self, slab_dir: Path) -> None:
-        root, direct = self.config.root, self.io_mode == "direct"
-        truncated = open_load(root, slab_dir, self._geoms, direct, self._slabs)
-        self.counters.add(load_truncated=truncated)
+    def _start_load(self) -> None:
+        self.counters.add(load_truncated=self._group.truncated)
         assert self._index is not None
         try:
             audit = audit_group(
@@ -185,7 +127,7 @@ class DiskStore:
         num_blocks = max(2, cfg.staging_bytes // self.page_bytes)
         largest = max(g.slot_bytes for g in self._geoms)
         need = num_blocks * self.page_bytes + PageReader.buffer_bytes(
-            self.page_bytes, largest, cfg.read_threads
+            self.page_bytes, largest, cfg.read_threads * len(self.dirs)
         )
         available = mem_available_bytes()
         if available is not None and need > available:
@@ -219,7 +161,7 @@ class DiskStore:
             self._events,
             staging,
             self._warn,
-            write_threads=cfg.write_threads,
+            write_threads=cfg.write_threads * len(self.dirs),  # per drive
             io_timeout_s=cfg.io_timeout_s,
         )
         self._reader = PageReader(
@@ -232,7 +174,7 @@ class DiskStore:
             self._warn,
             drop=self._spill.drop,
             wait_written=lambda hashes: self._wait_written(hashes, cfg.io_timeout_s),
-            read_threads=cfg.read_threads,
+            read_threads=cfg.read_threads * len(self.dirs),  # per drive
             io_timeout_s=cfg.io_timeout_s,
         )
         self._reloads: queue.Queue[_ReloadJob] = queue.Queue()  # bounded: max_tickets
@@ -343,7 +285,7 @@ class DiskStore:
     @property
     def where(self) -> str:
         """The store, for messages."""
-        return f"under {self.config.root}"
+        return "under " + " and ".join(str(d) for d in self.dirs)
 
     @property
     def io_timeout_s(self) -> float:
@@ -579,12 +521,8 @@ class DiskStore:
             self._warn.warn("index", f"cannot record page accesses in the index: {err}")
 
     def _release_files(self) -> None:
-        for slab in self._slabs:
-            slab.close()
+        self._group.close()
         self._slabs = []
-        if self._index is not None:
-            self._index.close()
-        self._lock.release()
 
     def __enter__(self) -> DiskStore:
         return self

@@ -4,7 +4,8 @@ writes: lookups and verified reads, nothing else.
 For ranks that hold the same pages as a writer but never write themselves (SGLang's MLA TP
 ranks other than the storage writer). The view takes no lock, writes nothing and frees nothing:
 the writer keeps its slabs, its index entries and its LRU. It opens the writer's slabs when it
-first needs them (the writer may start later), with the geometry their superblocks describe.
+first needs them (the writer may start later), with the geometry their superblocks describe
+(a writer of one directory: a group striped over several reads as misses here).
 
 The index is keyed by slot, so the view finds pages by hash in its own scan of the index: taken
 again when a lookup or read falls short of what it asks and the writer has committed since, but
