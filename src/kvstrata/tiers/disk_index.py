@@ -143,7 +143,7 @@ def decode_value(value: bytes | memoryview) -> tuple[bytes, int, int] | None:
     return page_hash, rank, last
 
 
-def _acquire_env(path: Path, map_size: int, readonly: bool) -> lmdb.Environment:
+def _acquire_env(path: Path, map_size: int, readonly: bool, locked: bool) -> lmdb.Environment:
     key = str(path.resolve())
     with _ENVS_LOCK:
         if key in _ENVS:
@@ -171,7 +171,7 @@ def _acquire_env(path: Path, map_size: int, readonly: bool) -> lmdb.Environment:
                 metasync=True,
                 # An audit that writes nothing holds the group's flock: no writer can run, so it
                 # needs no LMDB lock file (which it would have to write).
-                lock=not readonly,
+                lock=locked,
                 readonly=readonly,
                 create=not readonly,
             )
@@ -209,12 +209,23 @@ def _release_env(env: lmdb.Environment) -> None:
 
 class DiskIndex:
     """The page entries of one group (one namespace and rank), in one LMDB environment at
-    ``path``. ``readonly`` opens an existing index without writing a byte (an audit)."""
+    ``path``. ``readonly`` opens an existing index without writing a byte (an audit, which holds
+    the group's lock: no writer runs); ``reader`` opens it read-only beside a running writer,
+    registered in LMDB's lock table, so the writer never reuses the pages a read is walking."""
 
-    def __init__(self, path: Path, map_size: int = MIN_MAP_BYTES, readonly: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        map_size: int = MIN_MAP_BYTES,
+        readonly: bool = False,
+        reader: bool = False,
+    ) -> None:
         self.path = path
         self._closed = False
-        self.env = _acquire_env(path, max(map_size, MIN_MAP_BYTES), readonly)
+        readonly = readonly or reader
+        self.env = _acquire_env(
+            path, max(map_size, MIN_MAP_BYTES), readonly, not readonly or reader
+        )
         try:
             if readonly:
                 self._pages = self.env.open_db(b"pages", create=False)
