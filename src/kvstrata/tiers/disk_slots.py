@@ -37,6 +37,9 @@ class SlotPool:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
         self._pages: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._num_writing = 0
+        #: Slots neither free nor a page's: index entries of a page that lives elsewhere still
+        #: name them and could not be deleted (a fault); never handed out until they are.
+        self.withheld: set[int] = set()
         self.clock = 0
 
     # -- queries ---------------------------------------------------------------------------------
@@ -146,6 +149,16 @@ class SlotPool:
         runs of consecutive slots (one vectored write, and later one read, per run)."""
         self._free.sort(reverse=True)
 
+    def withhold(self, slot: int) -> None:
+        """Take a free ``slot`` out of use (see ``withheld``)."""
+        self._free.remove(slot)
+        self.withheld.add(slot)
+
+    def release_withheld(self, slot: int) -> None:
+        """The entries naming a withheld ``slot`` are gone: it is free again."""
+        self.withheld.remove(slot)
+        self._free.append(slot)
+
     def take_back(self, page_hash: bytes, slot: int, last_access: int) -> bool:
         """Make ``slot`` live again with ``page_hash`` (whose index entries still name it: their
         deletion failed); False when the slot is handed out again or the page lives elsewhere."""
@@ -172,7 +185,7 @@ class SlotPool:
     def check(self) -> None:
         """Free and used slots partition ``[0, num_slots)``; clocks are consistent."""
         used = [e.slot for e in self._pages.values()]
-        parts = [*self._free, *used]
+        parts = [*self._free, *used, *self.withheld]
         if sorted(parts) != list(range(self.num_slots)):
             dup = len(parts) - len(set(parts))
             raise PoolInvariantError(

@@ -219,13 +219,29 @@ class SpillPipeline:
             self.events.drop([h], self.counters)
 
     def _fail(self, item: Staged) -> None:
-        """A page not written: its slot is free again (or its old page's again, see unsafe)."""
+        """A page not written: its slot is free again (or its old page's again, see unsafe).
+        When the old page lives elsewhere now (spilled again), the entries still naming the
+        slot are deleted first; until that succeeds the slot is withheld, never handed out."""
+        stale: tuple[bytes, int] | None = None
         with self.state_lock:
             self.pool.release(item.page_hash)
             old = self._unsafe.pop(item.slot, None)
-            if old is not None:
-                self.pool.take_back(old[0], item.slot, old[1])
+            if old is not None and not self.pool.take_back(old[0], item.slot, old[1]):
+                self.pool.withhold(item.slot)
+                stale = (old[0], item.slot)
+        if stale is not None:
+            self._delete_withheld(stale)
         self._finish([item], False)
+
+    def _delete_withheld(self, stale: tuple[bytes, int]) -> None:
+        try:
+            self.index.delete_pages(self.ns.digest, [stale], self.num_payloads, rank=self.rank)
+        except lmdb.Error as err:
+            self.counters.add(index_errors=1)
+            self.warn.warn("index", f"slot {stale[1]} is withheld: {err}")
+            return
+        with self.state_lock:
+            self.pool.release_withheld(stale[1])
 
     def _finish(self, items: list[Staged], ok: bool) -> None:
         for item in items:
