@@ -155,6 +155,11 @@ class Clock(Protocol):
 
     def now(self) -> float: ...
 
+    def start(self) -> float:
+        """Make now time zero; return the time counted before (the replay calls it once its
+        engine is built, so arrivals count from when the engine can take requests)."""
+        ...
+
     def charge(self, work: StepWork) -> float:
         """Account for one finished step; return the part of it spent waiting for load-back."""
         ...
@@ -174,6 +179,11 @@ class WallClock:
 
     def now(self) -> float:
         return time.perf_counter() - self._origin
+
+    def start(self) -> float:
+        before = self.now()
+        self._origin += before
+        return before
 
     def charge(self, work: StepWork) -> float:
         return work.load_wait_s
@@ -198,6 +208,11 @@ class CpuClock:
 
     def now(self) -> float:
         return time.thread_time() - self._origin + self._idle
+
+    def start(self) -> float:
+        before = self.now()
+        self._origin, self._idle = time.thread_time(), 0.0
+        return before
 
     def charge(self, work: StepWork) -> float:
         return work.load_wait_s
@@ -225,6 +240,11 @@ class SimClock:
 
     def now(self) -> float:
         return self._t
+
+    def start(self) -> float:
+        """Time zero now (a replay builds its engine charging nothing: this moves nothing)."""
+        before, self._t, self._step_start, self._disk_free = self._t, 0.0, 0.0, 0.0
+        return before
 
     def charge(self, work: StepWork) -> float:
         m, scale = self.model, self.byte_scale

@@ -324,6 +324,7 @@ def summarize(
         clock={
             "kind": clock.kind,
             "seconds": round(clock.now(), 6),
+            "startup_s": round(run.startup_s, 6),  # counted before the loop, then zeroed
             "cost": describe_cost(run.cost) if run.cost is not None else None,
             "disk_wait_s": round(getattr(clock, "disk_wait_s", 0.0), 6),
             "disk_busy_s": round(getattr(clock, "disk_busy_s", 0.0), 6),
