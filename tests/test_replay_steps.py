@@ -72,8 +72,13 @@ def test_the_sim_run_logs_every_step_at_its_charged_cost(tmp_path: Path) -> None
         # its backups counted in the modeled model's bytes (1,024 per token, not the 4 stored).
         assert r.seconds == pytest.approx(profile_seconds(profile, r), rel=1e-9)
         assert r.d2h_bytes in (0.0, r.tokens * 1024.0) or r.d2h_bytes % 1024 == 0
+        # The pairs of requests over a prefix (charged at prefix_pair_s) are part of its pairs:
+        # none for a fresh request's step, all of them for one request over a prefix.
+        assert 0 <= r.prefix_pairs <= r.pairs
+        assert r.prefix_pairs == {"fresh": 0.0, "prefix": r.pairs}.get(r.kind, r.prefix_pairs)
         end = r.end_s
     assert any(r.d2h_bytes for r in records)
+    assert any(0 < r.prefix_pairs < r.pairs for r in records)  # a batch of both kinds
     # The lone request came 30 s after the rest: the clock idled to it, and the step log says so.
     lone = next(r for r in records if r.start_s >= 29.0)  # its first chunk (of 512 + 188)
     assert lone.idle_before_s == pytest.approx(30.0 - records[lone.step - 1].end_s, rel=1e-6)

@@ -104,6 +104,7 @@ class CostModel:
         h2d_bytes: float,
         d2h_bytes: float,
         prefix_tokens: int = 0,
+        prefix_pairs: float = 0.0,
     ) -> tuple[float, float]:
         """``(seconds, load-back wait)``: load-back in full before the compute (an upper bound),
         backups beside it."""
@@ -130,6 +131,7 @@ class StepCoster(Protocol):
         h2d_bytes: float,
         d2h_bytes: float,
         prefix_tokens: int = 0,
+        prefix_pairs: float = 0.0,
     ) -> tuple[float, float]: ...
 
 
@@ -144,6 +146,7 @@ class StepWork:
     requests: int = 0  # requests with a chunk in the forward (0: the step ran none)
     attention_pairs: float = 0.0  # sum over them of extend x (prefix + extend / 2)
     prefix_tokens: int = 0  # sum over them of the prefix each chunk's attention reads
+    prefix_pairs: float = 0.0  # the part of attention_pairs of requests over a prefix
     disk_read_bytes: int = 0  # landed this step: read while the step before ran
     disk_write_bytes: int = 0  # made durable this step: written while the step before ran
 
@@ -268,6 +271,7 @@ class SimClock:
             scale * work.h2d_bytes,
             scale * work.d2h_bytes,
             work.prefix_tokens,
+            work.prefix_pairs,
         )
         self._step_start = start
         self._t = start + seconds

@@ -30,7 +30,13 @@ def profile_seconds(profile: CostProfile, record: StepRecord) -> float:
     for the disk depends on the steps before, and is not included)."""
     w = record.work()
     return profile.step(
-        w.requests, w.computed_tokens, w.attention_pairs, w.h2d_bytes, w.d2h_bytes, w.prefix_tokens
+        w.requests,
+        w.computed_tokens,
+        w.attention_pairs,
+        w.h2d_bytes,
+        w.d2h_bytes,
+        w.prefix_tokens,
+        w.prefix_pairs,
     )[0]
 
 

@@ -55,6 +55,7 @@ class StepRecord:
     tokens: int  # tokens computed
     prefix_tokens: int  # sum over its chunks of the prefix each one's attention reads
     pairs: float  # attention pairs: sum of extend x (prefix + extend / 2)
+    prefix_pairs: float  # the part of them of requests over a prefix
     h2d_bytes: float
     d2h_bytes: float
     disk_read_bytes: float
@@ -78,6 +79,7 @@ class StepRecord:
             requests=self.requests,
             attention_pairs=self.pairs,
             prefix_tokens=self.prefix_tokens,
+            prefix_pairs=self.prefix_pairs,
             disk_read_bytes=round(self.disk_read_bytes),
             disk_write_bytes=round(self.disk_write_bytes),
         )
@@ -122,6 +124,7 @@ class StepLog:
                 tokens=work.computed_tokens,
                 prefix_tokens=work.prefix_tokens,
                 pairs=work.attention_pairs,
+                prefix_pairs=work.prefix_pairs,
                 h2d_bytes=work.h2d_bytes * scale,
                 d2h_bytes=work.d2h_bytes * scale,
                 disk_read_bytes=work.disk_read_bytes * scale,

@@ -211,9 +211,15 @@ class ReplaySummary:
             if cost["kind"] == "estimate"
             else cost["kind"]
         )
+        missing = (
+            "; MISSING prefix_pair_s (calibrated before the term): pairs over a prefix charged "
+            "at pair_s"
+            if cost.get("prefix_pair_s") is None and cost["kind"] != "flat"
+            else ""
+        )
         return (
             f"{cost['name']}: {kind}; {prov['model']} {prov['dtype']} on {prov['device']}"
-            f"{fit}{', ' + prov['date'] if prov.get('date') else ''}"
+            f"{fit}{', ' + prov['date'] if prov.get('date') else ''}{missing}"
         )
 
     def problems(self) -> list[str]:
