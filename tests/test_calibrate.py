@@ -69,6 +69,8 @@ def test_the_design_reaches_the_longest_prefix_asked_for() -> None:
     assert any(p.held_back and max(p.prefixes) > 4096 for p in long)
     with pytest.raises(ConfigError, match="--max-prefix must lie in"):
         calibrate("tiny", "cpu", max_tokens=1024, max_prefix=1024)
+    with pytest.raises(ConfigError, match="exceeds tiny's 131,072 positions"):
+        calibrate("tiny", "cpu", max_tokens=1024, max_prefix=131072)
 
 
 def test_the_fit_separates_pairs_over_a_prefix() -> None:

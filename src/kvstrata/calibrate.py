@@ -43,7 +43,7 @@ from .engine import Engine, EngineConfig
 from .errors import ConfigError
 from .limits import check_device
 from .model.compute import ModelCompute
-from .model.loader import load_model
+from .model.loader import load_model, read_model_config
 from .workloads import Request
 
 #: Scenario kinds, in the order the table prints them.
@@ -347,11 +347,18 @@ def _calibrate(
     if l2_tokens is not None and not 0 <= l2_tokens <= 1 << 26:
         raise ConfigError(f"--l2-tokens must lie in [0, 67108864], got {l2_tokens}")
     with_l2 = l2_tokens != 0
+    points = design(m, with_l2, max_prefix)
+    sequence = max(q + e for p in points for q, e in zip(p.prefixes, p.extend, strict=True))
+    positions = read_model_config(model).max_position_embeddings
+    if sequence > positions:
+        raise ConfigError(
+            f"the design's longest sequence ({sequence:,} tokens: --max-prefix plus a chunk) "
+            f"exceeds {model}'s {positions:,} positions; lower --max-prefix"
+        )
     _, net = load_model(model, device=device, dtype=dtype, seed=seed)
     torch_dtype = next(net.parameters()).dtype
     compute = ModelCompute(net, torch_dtype)
     dtype_name = str(torch_dtype).removeprefix("torch.")
-    points = design(m, with_l2, max_prefix)
     batch_tokens = max(sum(p.extend) for p in points)
     longest = max(sum(p.prefixes) + sum(p.extend) for p in points)
     base = EngineConfig(

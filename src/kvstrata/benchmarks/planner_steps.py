@@ -79,7 +79,7 @@ def summarize_steps(log: StepLog, profile: CostProfile) -> dict[str, Any]:
         "busy_s": round(busy, 6),
         "idle_s": round(idle, 6),
         "add_s": round(add, 6),
-        "other_s": round(other, 6),
+        "other_s": round(other, 6) + 0.0,  # never -0.0
         "profile_busy_s": round(sum(profile_seconds(profile, r) for r in records), 6),
         "largest_gaps": [
             {"step": r.step, "at_s": round(r.start_s, 6), "gap_s": round(g, 6)}
