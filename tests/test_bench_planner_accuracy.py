@@ -12,7 +12,10 @@ import pytest
 from helpers import trace_line, write_trace
 
 from kvstrata.benchmarks import planneraccuracy
+from kvstrata.benchmarks.planner_steps import profile_seconds
+from kvstrata.cost import load_profile
 from kvstrata.errors import ConfigError
+from kvstrata.replay.steps import read_steps
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +71,44 @@ def test_cpu_measured_against_predicted(tmp_path: Path, capsys: pytest.CaptureFi
         assert rows["TTFT mean ms"]["measured"] > 0 and rows["TTFT mean ms"]["predicted"] > 0
         assert abs(rows["hit ratio"]["error"]) < 0.05  # the cache decides alike on both clocks
     assert "TTFT p90 ms" in out and "window 0:12, time scale 0.25" in out
+
+
+def test_steps_out_logs_both_replays_step_by_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [trace_line(512 * (t + 1) - 100, list(range(10 * c, 10 * c + t + 1)), 50 * (4 * t + c))
+             for t in range(3) for c in range(4)]  # fmt: skip
+    trace = write_trace(tmp_path / "t.jsonl", lines)
+    out = tmp_path / "steps"
+    argv = ["--trace", str(trace), "--device", "cpu", "--windows", "0:12", "--time-scales", "1",
+            "--l1-tokens", "16384", "--l2-tokens", "32768", "--chunk-size", "256",
+            "--max-batch-tokens", "1024", "--steps-out", str(out)]  # fmt: skip
+    assert planneraccuracy.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "warm-up:" in text and "start-up before the loop s" in text and "busy (in steps)" in text
+    doc = json.loads(text.strip().splitlines()[-1])
+    steps = doc["results"][0]["steps"]
+    profile = load_profile("cpu-2core-tiny-fp32")
+    for name in ("measured", "predicted"):
+        path = Path(steps["files"][name])
+        assert path.parent == out and path.name == f"window-0-12-scale-1-{name}.jsonl"
+        records = read_steps(path)
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(records) == steps[name]["steps"] > 0
+        for row, record in zip(rows, records, strict=True):
+            # Every record carries the profile's prediction for its own composition.
+            assert row["profile_s"] == pytest.approx(profile_seconds(profile, record))
+        assert steps[name]["busy_s"] == pytest.approx(sum(r.seconds for r in records), abs=1e-5)
+    measured, predicted = steps["measured"], steps["predicted"]
+    # Both replays computed the same tokens; the sim run's steps last what the profile says.
+    assert sum(r.tokens for r in read_steps(Path(steps["files"]["measured"]))) == sum(
+        r.tokens for r in read_steps(Path(steps["files"]["predicted"]))
+    )
+    assert predicted["busy_s"] == pytest.approx(predicted["profile_busy_s"], rel=1e-6)
+    assert measured["busy_s"] > 0 and measured["first_step_s"] < 1.0
+    assert predicted["startup_s"] == 0.0 and predicted["other_s"] == pytest.approx(0, abs=1e-9)
+    # A second run into the same directory refuses before it runs, and leaves the logs alone.
+    before = Path(steps["files"]["measured"]).read_text()
+    with pytest.raises(ConfigError, match="already holds"):
+        planneraccuracy.main(argv)
+    assert Path(steps["files"]["measured"]).read_text() == before

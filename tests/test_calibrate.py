@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.calibrate import calibrate, design, predict
+from kvstrata.calibrate import Sample, _fit_compute, calibrate, design, predict, prefix_lengths
 from kvstrata.cli import main
+from kvstrata.clock import StepWork
 from kvstrata.cost import load_profile
+from kvstrata.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +57,37 @@ def test_calibrate_command_writes_a_profile_replay_reads(tmp_path: Path, capsys)
     assert code == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["clock"]["cost"]["name"] == profile.name
+
+
+def test_the_design_reaches_the_longest_prefix_asked_for() -> None:
+    assert prefix_lengths(2048, 4096) == (512, 2048, 4096)  # the default: m/4, m, 2m
+    assert prefix_lengths(2048, 32768) == (512, 2048, 8192, 32768)
+    default = design(2048, with_l2=False)
+    assert design(2048, with_l2=False, max_prefix=4096) == default  # the default design
+    long = design(2048, with_l2=False, max_prefix=32768)
+    assert max(max(p.prefixes) for p in long if not p.held_back) == 32768
+    assert any(p.held_back and max(p.prefixes) > 4096 for p in long)
+    with pytest.raises(ConfigError, match="--max-prefix must lie in"):
+        calibrate("tiny", "cpu", max_tokens=1024, max_prefix=1024)
+    with pytest.raises(ConfigError, match="exceeds tiny's 131,072 positions"):
+        calibrate("tiny", "cpu", max_tokens=1024, max_prefix=131072)
+
+
+def test_the_fit_separates_pairs_over_a_prefix() -> None:
+    """Steps timed by a known cost with pairs over a prefix 3x a fresh request's: the fit finds
+    both terms (one pair term, as before the split, cannot fit both kinds)."""
+    truth = dict(step=1e-3, request=1e-4, token=1e-5, pair=1e-8, prefix_pair=3e-8, prefix=5e-7)
+    samples = []
+    for point in design(2048, with_l2=False):
+        chunks = list(zip(point.prefixes, point.extend, strict=True))
+        pairs = sum(e * (p + e / 2) for p, e in chunks)
+        over = sum(e * (p + e / 2) for p, e in chunks if p)
+        work = StepWork(sum(point.extend), 0, 0, 0.0, requests=len(chunks),
+                        attention_pairs=pairs, prefix_tokens=sum(point.prefixes),
+                        prefix_pairs=over)  # fmt: skip
+        seconds = (truth["step"] + truth["request"] * len(chunks) + truth["token"] * sum(point.extend)
+                   + truth["pair"] * (pairs - over) + truth["prefix_pair"] * over
+                   + truth["prefix"] * sum(point.prefixes))  # fmt: skip
+        samples.append(Sample(point, work, seconds, 0.0))
+    fitted = _fit_compute(samples)
+    assert fitted == pytest.approx(tuple(truth.values()), rel=1e-6)

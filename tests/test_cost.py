@@ -247,3 +247,41 @@ def test_l3_that_cannot_beat_recompute_says_so(tmp_path: Path) -> None:
     fast = run_replay(replace(c, sim_links=SimLinks(disk_read_gbps=1000.0)), progress=False)
     assert fast.to_json()["planner"]["l3_beats_recompute"] is True
     assert fast.to_json()["clock"]["disk_wait_s"] < slow_clock["disk_wait_s"]
+
+
+def test_pairs_over_a_prefix_have_their_own_term() -> None:
+    """A request over a prefix attends in another kernel than a fresh prefill (the paged one on
+    CUDA; gather and masked SDPA on the CPU): its pairs cost ``prefix_pair_s``. A profile made
+    before the term (the shipped H200 one) charges them at ``pair_s``, as it always did, and
+    says the term is missing."""
+    p = profile(overlap="serial", step_s=0.0, request_s=0.0, token_s=0.0, pair_s=1e-9,
+                prefix_pair_s=3e-9)  # fmt: skip
+    # 1e6 pairs of a fresh request and 2e6 of one over a prefix: 1 ms + 6 ms.
+    assert p.step(2, 10, 3e6, 0, 0, prefix_pairs=2e6)[0] == pytest.approx(7e-3)
+    assert p.step(1, 10, 3e6, 0, 0)[0] == pytest.approx(3e-3)  # no prefix: pair_s alone
+    old = replace(p, prefix_pair_s=None)
+    assert old.step(2, 10, 3e6, 0, 0, prefix_pairs=2e6)[0] == pytest.approx(3e-3)
+    assert "no prefix_pair_s" in old.describe() and "no prefix_pair_s" not in p.describe()
+    # JSON: a profile without the field loads (None); one with it round-trips.
+    data = old.to_json()
+    del data["prefix_pair_s"]
+    assert CostProfile.from_json(data).prefix_pair_s is None
+    assert CostProfile.from_json(p.to_json()) == p
+    with pytest.raises(ConfigError, match="prefix_pair_s must be a finite number"):
+        replace(p, prefix_pair_s=-1.0)
+    h200 = shipped_profiles()["h200-llama-3.2-1b-bf16"]
+    assert h200.prefix_pair_s is None and "recalibrate" in h200.describe()
+    assert shipped_profiles()["cpu-2core-tiny-fp32"].prefix_pair_s is not None
+    # The simulated clock charges what the engine reports of the step.
+    clock = SimClock(p)
+    clock.charge(StepWork(10, 0, 0, 0.0, requests=2, attention_pairs=3e6, prefix_pairs=2e6))
+    assert clock.now() == pytest.approx(7e-3)
+
+
+def test_a_replay_on_the_h200_profile_says_its_term_is_missing() -> None:
+    summary = run_replay(
+        cfg(cost_profile="h200-llama-3.2-1b-bf16", model_shape="llama-3.2-1b", clock="sim"),
+        progress=False,
+    )
+    assert "MISSING prefix_pair_s" in summary.table()
+    assert summary.to_json()["clock"]["cost"]["prefix_pair_s"] is None

@@ -53,6 +53,7 @@ TOP = {
     "verify.draft_max_abs_logit_diff", "verify.draft_argmax_agree", "verify.decode",
     "verify.atol", "verify.argmax_flips",  # new with --verify's tolerance
     "planner", "clock.disk_wait_s", "clock.disk_busy_s", "clock.busy_s",  # with cost profiles
+    "clock.startup_s",  # new with the clock started at the loop
 }  # fmt: skip
 CONFIG = {
     "workload", "limit", "skipped_lines", "model", "dtype", "vocab_size", "page_size",

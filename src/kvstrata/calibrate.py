@@ -43,7 +43,7 @@ from .engine import Engine, EngineConfig
 from .errors import ConfigError
 from .limits import check_device
 from .model.compute import ModelCompute
-from .model.loader import load_model
+from .model.loader import load_model, read_model_config
 from .workloads import Request
 
 #: Scenario kinds, in the order the table prints them.
@@ -67,7 +67,7 @@ class Point:
 
 @dataclass(frozen=True)
 class Sample:
-    """A design point's measured step: what it did and its median seconds."""
+    """A design point's measured step: what it did and its fastest seconds."""
 
     point: Point
     work: StepWork
@@ -75,13 +75,28 @@ class Sample:
     spread: float  # (slowest - fastest) / fastest over the repeats
 
 
-def design(max_tokens: int, with_l2: bool) -> list[Point]:
-    """The design set, scaled to ``max_tokens`` (the longest fresh prefill), and the held-back
-    points (other shapes, never fitted)."""
+def prefix_lengths(max_tokens: int, max_prefix: int) -> tuple[int, ...]:
+    """The cached prefixes the design's chunks extend: a quarter of ``max_tokens``, then
+    ``max_tokens`` times 4, 16, ... below ``max_prefix``, then ``max_prefix`` (by default twice
+    ``max_tokens``: m/4, m, 2m)."""
+    out, p = [max_tokens // 4], max_tokens
+    while p < max_prefix:
+        out.append(p)
+        p *= 4
+    return (*out, max_prefix)
+
+
+def design(max_tokens: int, with_l2: bool, max_prefix: int | None = None) -> list[Point]:
+    """The design set, scaled to ``max_tokens`` (the longest fresh prefill) and ``max_prefix``
+    (the longest cached prefix; default twice ``max_tokens``), and the held-back points (other
+    shapes, never fitted)."""
     m = max_tokens
+    longest = 2 * m if max_prefix is None else max_prefix
     pts = [Point("fresh", (n,)) for n in (m // 32, m // 16, m // 8, m // 4, m // 2, m)]
     pts += [
-        Point("prefix", (e,), (p,)) for p in (m // 4, m, 2 * m) for e in (m // 64, m // 8, m // 2)
+        Point("prefix", (e,), (p,))
+        for p in prefix_lengths(m, longest)
+        for e in (m // 64, m // 8, m // 2)
     ]
     pts += [Point("batch", (n,) * k) for k in (2, 8, 32) for n in (m // 64, m // 16)]
     pts += [
@@ -94,6 +109,12 @@ def design(max_tokens: int, with_l2: bool) -> list[Point]:
         Point("batch", (m // 32,) * 3, (m // 4, m // 2, m), held_back=True),
         Point("batch", (m // 8, m // 64, m // 16), held_back=True),
     ]
+    if longest > 2 * m:  # chunks over prefixes longer than the default design's
+        pts += [
+            Point("prefix", (m // 4,), (3 * longest // 4,), held_back=True),
+            Point("batch", (m // 8,) * 3, (longest // 8, longest // 4, longest // 2),
+                  held_back=True),
+        ]  # fmt: skip
     if with_l2:
         pts += [Point("backup", (n,)) for n in (m // 8, m // 2, m)]
         pts += [Point("load-back", (m // 64,), (p,)) for p in (m // 2, m, 2 * m)]
@@ -157,23 +178,32 @@ class _Rig:
         return steps[0]
 
 
-def _fit_compute(samples: list[Sample]) -> tuple[float, float, float, float, float]:
-    """Least squares on relative error with every term >= 0: drop a negative term, refit."""
+def _fit_compute(samples: list[Sample]) -> tuple[float, float, float, float, float, float]:
+    """Least squares on relative error with every term >= 0: drop a negative term, refit.
+    The terms: per step, request, token, pair of a request without a prefix, pair of one over a
+    prefix, cached prefix token."""
     x = np.array(
         [
-            [1.0, w.requests, w.computed_tokens, w.attention_pairs, w.prefix_tokens]
+            [
+                1.0,
+                w.requests,
+                w.computed_tokens,
+                w.attention_pairs - w.prefix_pairs,
+                w.prefix_pairs,
+                w.prefix_tokens,
+            ]
             for w in (s.work for s in samples)
         ]
     )
     y = np.array([s.seconds for s in samples])
     w = x / y[:, None]
-    active = [0, 1, 2, 3, 4]
+    active = [0, 1, 2, 3, 4, 5]
     while True:
         coef, *_ = np.linalg.lstsq(w[:, active], np.ones(len(y)), rcond=None)
         if (coef >= 0).all() or len(active) == 1:
             break
         active.pop(int(np.argmin(coef)))
-    full = np.zeros(5)
+    full = np.zeros(6)
     full[active] = np.maximum(coef, 0.0)
     return tuple(float(v) for v in full)  # type: ignore[return-value]
 
@@ -205,6 +235,7 @@ def predict(profile: CostProfile, work: StepWork) -> float:
         work.h2d_bytes,
         work.d2h_bytes,
         work.prefix_tokens,
+        work.prefix_pairs,
     )[0]
 
 
@@ -252,6 +283,7 @@ def calibrate(
     max_tokens: int | None = None,
     l2_tokens: int | None = None,
     repeats: int = 5,
+    max_prefix: int | None = None,
     seed: int = 0,
     name: str | None = None,
     threads: int = 1,
@@ -260,6 +292,8 @@ def calibrate(
 ) -> Calibration:
     """Time the design set on ``model`` and fit a profile (see the module docstring).
     ``max_tokens``: the longest fresh prefill (default 2,048 on CPU, 16,384 on CUDA);
+    ``max_prefix``: the longest cached prefix a designed chunk extends (default 2 x
+    ``max_tokens``; a replay's chunks reach its longest prompts);
     ``l2_tokens``: the L2 of the link steps (default: enough for them; 0: no link steps);
     ``threads``: torch's intra-op threads meanwhile (1, as ``kvstrata replay`` runs)."""
     cores = os.cpu_count() or 1
@@ -272,7 +306,7 @@ def calibrate(
     try:
         return _calibrate(
             model, device, dtype, page_size, max_tokens, l2_tokens, repeats, seed, name,
-            threads, progress, command,
+            threads, progress, command, max_prefix,
         )  # fmt: skip
     finally:
         torch.set_num_threads(before)
@@ -291,6 +325,7 @@ def _calibrate(
     threads: int,
     progress: Callable[[str], None] | None,
     command: str,
+    max_prefix: int | None = None,
 ) -> Calibration:
     dev = check_device(device)
     if not 1 <= repeats <= 1000:
@@ -305,18 +340,30 @@ def _calibrate(
             f"--max-tokens must be a multiple of 64 in [{64 * page_size} (64 pages), 1048576], "
             f"got {m}"
         )
+    if max_prefix is not None and not 2 * m <= max_prefix <= 1 << 22:
+        raise ConfigError(
+            f"--max-prefix must lie in [{2 * m} (2 x --max-tokens), 4194304], got {max_prefix}"
+        )
     if l2_tokens is not None and not 0 <= l2_tokens <= 1 << 26:
         raise ConfigError(f"--l2-tokens must lie in [0, 67108864], got {l2_tokens}")
     with_l2 = l2_tokens != 0
+    points = design(m, with_l2, max_prefix)
+    sequence = max(q + e for p in points for q, e in zip(p.prefixes, p.extend, strict=True))
+    positions = read_model_config(model).max_position_embeddings
+    if sequence > positions:
+        raise ConfigError(
+            f"the design's longest sequence ({sequence:,} tokens: --max-prefix plus a chunk) "
+            f"exceeds {model}'s {positions:,} positions; lower --max-prefix"
+        )
     _, net = load_model(model, device=device, dtype=dtype, seed=seed)
     torch_dtype = next(net.parameters()).dtype
     compute = ModelCompute(net, torch_dtype)
     dtype_name = str(torch_dtype).removeprefix("torch.")
-    points = design(m, with_l2)
     batch_tokens = max(sum(p.extend) for p in points)
+    longest = max(sum(p.prefixes) + sum(p.extend) for p in points)
     base = EngineConfig(
         page_size=page_size,
-        pool_tokens=8 * m,
+        pool_tokens=max(8 * m, -(-2 * longest // page_size) * page_size),
         chunk_size=m,
         max_batch_tokens=batch_tokens,
         max_batch_requests=64,
@@ -350,7 +397,7 @@ def _calibrate(
     samples = [measured[i] for i in range(len(points))]
     fit = [s for s in samples if not s.point.held_back]
     plain = [s for s in fit if s.point.kind in ("fresh", "prefix", "batch")]
-    step_s, request_s, token_s, pair_s, prefix_s = _fit_compute(plain)
+    step_s, request_s, token_s, pair_s, prefix_pair_s, prefix_s = _fit_compute(plain)
     read, write = DISK_DEFAULTS[dev.type]
     profile = CostProfile(
         name=name or f"{dev.type}-{os.path.basename(model)}-{dtype_name}",
@@ -360,6 +407,7 @@ def _calibrate(
         token_s=token_s,
         pair_s=pair_s,
         prefix_s=prefix_s,
+        prefix_pair_s=prefix_pair_s,
         h2d_gbps=1.0,
         d2h_gbps=1.0,
         disk_read_gbps=read,
@@ -397,7 +445,7 @@ def _calibrate(
         steps=len(samples),
         command=command,
         note=(
-            f"max_tokens {m}, repeats {repeats}, threads {threads}, load average {load:.1f} at the "
+            f"max_tokens {m}, max_prefix {max_prefix or 2 * m}, repeats {repeats}, threads {threads}, load average {load:.1f} at the "
             "end; disk rates: "
             f"dd defaults for {dev.type}"
         ),

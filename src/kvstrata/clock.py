@@ -104,6 +104,7 @@ class CostModel:
         h2d_bytes: float,
         d2h_bytes: float,
         prefix_tokens: int = 0,
+        prefix_pairs: float = 0.0,
     ) -> tuple[float, float]:
         """``(seconds, load-back wait)``: load-back in full before the compute (an upper bound),
         backups beside it."""
@@ -130,6 +131,7 @@ class StepCoster(Protocol):
         h2d_bytes: float,
         d2h_bytes: float,
         prefix_tokens: int = 0,
+        prefix_pairs: float = 0.0,
     ) -> tuple[float, float]: ...
 
 
@@ -144,6 +146,7 @@ class StepWork:
     requests: int = 0  # requests with a chunk in the forward (0: the step ran none)
     attention_pairs: float = 0.0  # sum over them of extend x (prefix + extend / 2)
     prefix_tokens: int = 0  # sum over them of the prefix each chunk's attention reads
+    prefix_pairs: float = 0.0  # the part of attention_pairs of requests over a prefix
     disk_read_bytes: int = 0  # landed this step: read while the step before ran
     disk_write_bytes: int = 0  # made durable this step: written while the step before ran
 
@@ -154,6 +157,11 @@ class Clock(Protocol):
     kind: ClockKind
 
     def now(self) -> float: ...
+
+    def start(self) -> float:
+        """Make now time zero; return the time counted before (the replay calls it once its
+        engine is built, so arrivals count from when the engine can take requests)."""
+        ...
 
     def charge(self, work: StepWork) -> float:
         """Account for one finished step; return the part of it spent waiting for load-back."""
@@ -174,6 +182,11 @@ class WallClock:
 
     def now(self) -> float:
         return time.perf_counter() - self._origin
+
+    def start(self) -> float:
+        before = self.now()
+        self._origin += before
+        return before
 
     def charge(self, work: StepWork) -> float:
         return work.load_wait_s
@@ -198,6 +211,11 @@ class CpuClock:
 
     def now(self) -> float:
         return time.thread_time() - self._origin + self._idle
+
+    def start(self) -> float:
+        before = self.now()
+        self._origin, self._idle = time.thread_time(), 0.0
+        return before
 
     def charge(self, work: StepWork) -> float:
         return work.load_wait_s
@@ -226,6 +244,11 @@ class SimClock:
     def now(self) -> float:
         return self._t
 
+    def start(self) -> float:
+        """Time zero now (a replay builds its engine charging nothing: this moves nothing)."""
+        before, self._t, self._step_start, self._disk_free = self._t, 0.0, 0.0, 0.0
+        return before
+
     def charge(self, work: StepWork) -> float:
         m, scale = self.model, self.byte_scale
         start = self._t
@@ -248,6 +271,7 @@ class SimClock:
             scale * work.h2d_bytes,
             scale * work.d2h_bytes,
             work.prefix_tokens,
+            work.prefix_pairs,
         )
         self._step_start = start
         self._t = start + seconds

@@ -14,10 +14,19 @@ It prints, per window and scale, measured and predicted TTFT mean / p50 / p90 / 
 (mean and p90), computed tokens per second of engine time, and hit ratio, with the relative error
 of each (hit ratio: the absolute difference), then one JSON line. The targets (issue 21): TTFT
 mean and p90 within 15 %, tokens/s within 10 %, hit ratio within 0.01.
+
+Both replays' clocks start when their loop begins (building the engine is start-up), and the
+model is warmed up first on a small engine of its own (``--warmup``, on by default: kernel
+compilation is start-up too). With ``--steps-out DIR`` every engine step of both replays is
+written as JSONL (``replay/steps.py``), and a table says where each run's clock time went: steps
+measured and predicted, busy, idle and the loop's other time, the first step, the largest gaps,
+and per step kind the profile's prediction for the measured run's own steps
+(``benchmarks/planner_steps.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -29,11 +38,17 @@ import torch
 
 from ..arrivals import ArrivalSpec
 from ..command import CommandParser, HelpFormatter, run_command
+from ..cost import CostProfile, load_profile
 from ..engine import EngineConfig
 from ..errors import ConfigError
 from ..limits import check_device
+from ..model.compute import Compute
 from ..model.loader import read_model_config
 from ..replay import ReplayConfig, resolve_cost, run_replay
+from ..replay.build import build_compute
+from ..replay.steps import StepLog, write_steps
+from ..replay.warmup import warm_up
+from .planner_steps import format_steps, profile_seconds, summarize_steps
 
 PROG = "kvstrata bench planner-accuracy"
 DEFAULT_TRACE = "../shared/traces/mooncake/conversation_trace.jsonl"
@@ -161,6 +176,23 @@ def build_parser() -> CommandParser:
         help="a trace line the measured replay cannot take (malformed, or longer than the "
         "model's positions and --l1-tokens): stop, or leave it out of both replays (counted)",
     )
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each step kind once on a small engine of its own over the model before the "
+        "measured replays (kernel compilation and autotuning are start-up, as kvstrata "
+        "calibrate's warm-up has them)",
+    )
+    p.add_argument(
+        "--steps-out",
+        default=None,
+        metavar="DIR",
+        help="also record every engine step of both replays (start on the clock, duration, "
+        "requests, tokens, prefix tokens, attention pairs, bytes copied, the loop's idle and "
+        "add time before it, the profile's prediction for it) as JSONL in DIR, one file per "
+        "window, scale and replay, and print where each run's time went",
+    )
     return p
 
 
@@ -231,7 +263,28 @@ def main(argv: list[str] | None = None) -> int:
     trace = Path(args.trace)
     if not trace.is_file():
         raise ConfigError(f"trace {trace} not found; give one with --trace")
+    if args.steps_out is not None and not args.steps_out.strip():
+        raise ConfigError("--steps-out takes a directory, got an empty path")
+    steps_out = Path(args.steps_out) if args.steps_out is not None else None
+    if steps_out is not None:
+        try:
+            steps_out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"--steps-out {steps_out}: {err.strerror}") from None
+        there = [
+            str(path)
+            for w in windows
+            for scale in args.time_scales
+            for path in _steps_paths(steps_out, w, scale).values()
+            if path.exists()
+        ]
+        if there:
+            raise ConfigError(
+                f"--steps-out {steps_out} already holds {', '.join(there)}; give another "
+                "directory (step logs never overwrite a file)"
+            )
     results = []
+    compute: Compute | None = None
     with tempfile.TemporaryDirectory(prefix="kvstrata-accuracy-") as tmp:
         for window in windows:
             limit = None
@@ -247,8 +300,24 @@ def main(argv: list[str] | None = None) -> int:
                 )
             for scale in args.time_scales:
                 measured_cfg, predicted_cfg = configs(args, path, scale)
-                measured = run_replay(measured_cfg, progress=False).to_json()
-                predicted = run_replay(predicted_cfg, progress=False).to_json()
+                logs = (StepLog(), StepLog()) if steps_out is not None else None
+                if compute is None:  # one model for every measured replay, warmed up once
+                    compute = build_compute(measured_cfg)
+                    if args.warmup:
+                        warm = warm_up(compute, measured_cfg.engine, args.seed)
+                        print(
+                            f"warm-up: {warm.seconds:.2f} s before the measured replays "
+                            f"({', '.join(sorted(warm.kinds))} steps)"
+                        )
+                measured = run_replay(
+                    measured_cfg,
+                    progress=False,
+                    compute=compute,
+                    observers=logs[:1] if logs else (),
+                ).to_json()
+                predicted = run_replay(
+                    predicted_cfg, progress=False, observers=logs[1:] if logs else ()
+                ).to_json()
                 rows = compare(measured, predicted)
                 results.append(
                     {
@@ -261,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
                         "measured_clock": measured["clock"]["kind"],
                     }
                 )
+                step_lines: list[str] = []
+                if logs is not None and steps_out is not None:
+                    assert predicted_cfg.cost_profile is not None
+                    results[-1]["steps"], step_lines = _write_steps(
+                        logs, load_profile(predicted_cfg.cost_profile), steps_out, window, scale
+                    )
                 print(
                     f"window {window.start}:{window.count}, time scale {scale:g}: measured "
                     f"({measured_cfg.model} on {args.device}, {measured['clock']['kind']} clock) "
@@ -269,11 +344,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"  {'figure':<18} {'measured':>12} {'predicted':>12} {'error':>8}")
                 for r in rows:
-                    err = f"{r['error']:+.4f}" if r["kind"] == "abs" else f"{r['error']:+.1%}"
+                    shown = f"{r['error']:+.4f}" if r["kind"] == "abs" else f"{r['error']:+.1%}"
                     print(
                         f"  {r['figure']:<18} {r['measured']:>12,.3f} {r['predicted']:>12,.3f} "
-                        f"{err:>8}"
+                        f"{shown:>8}"
                     )
+                for line in step_lines:
+                    print(line)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(
@@ -288,6 +365,28 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0
+
+
+def _steps_paths(out: Path, window: Window, scale: float) -> dict[str, Path]:
+    stem = f"window-{window.start}-{window.count}-scale-{scale:g}"
+    return {name: out / f"{stem}-{name}.jsonl" for name in ("measured", "predicted")}
+
+
+def _write_steps(
+    logs: tuple[StepLog, StepLog], profile: CostProfile, out: Path, window: Window, scale: float
+) -> tuple[dict[str, Any], list[str]]:
+    """Both replays' steps as JSONL in ``out`` (each record with the profile's prediction for
+    its composition, ``profile_s``), their summaries, and the lines that print them."""
+    summaries, files = {}, {}
+    paths = _steps_paths(out, window, scale)
+    for name, log in zip(("measured", "predicted"), logs, strict=True):
+        path = paths[name]
+        write_steps(log.records, path, lambda r: {"profile_s": profile_seconds(profile, r)})
+        summaries[name] = summarize_steps(log, profile)
+        files[name] = str(path)
+    lines = format_steps(summaries["measured"], summaries["predicted"])
+    lines.append(f"  steps written to {files['measured']} and {files['predicted']}")
+    return summaries | {"files": files}, lines
 
 
 def run_main(argv: list[str] | None = None) -> int:

@@ -3,15 +3,24 @@
 A step computes the chunks of ``R`` requests, ``T`` tokens in all, where request ``i`` computes
 ``e_i`` tokens over ``p_i`` tokens already in its pages. Its compute lasts::
 
-    step + request x R + token x T + pair x A + prefix x C,   A = sum_i e_i x (p_i + e_i / 2)
-                                                             C = sum_i p_i
+    step + request x R + token x T + pair x (A - B) + prefix_pair x B + prefix x C
+
+    A = sum_i e_i x (p_i + e_i / 2),   B = the same sum over the requests with p_i > 0,
+    C = sum_i p_i
 
 ``A`` counts the (query, key) pairs causal attention scores: each of the ``e_i`` new tokens
 attends to the prefix and, on average, half of its own chunk. The per-token term is the model's
-matmuls, the per-pair term its attention's arithmetic, the per-prefix-token term reading each
-chunk's cached prefix once (its KV's bytes: what a short chunk over a long prefix is bound by,
-and on the CPU the gather out of the pages), the per-step and per-request terms what a step pays
-whatever its size (scheduling, the batch's page tables, kernel launches, the last-token logits).
+matmuls; the per-pair terms its attention's arithmetic, in the two kernels the engine runs: a
+request from its first token attends to the K/V it has just computed with a causal flash kernel
+(``pair``), one over a prefix reads its pages (the paged kernel on CUDA; on the CPU a gather and
+SDPA under an explicit mask, which scores the masked pairs too: 10 ns a pair a layer against the
+flash kernel's 6 here), ``prefix_pair``. Chunked prefill puts most of a long request's pairs in
+the second kind. The per-prefix-token term is reading each chunk's cached prefix once (its KV's
+bytes: what a short chunk over a long prefix is bound by, and on the CPU the gather out of the
+pages), the per-step and per-request terms what a step pays whatever its size (scheduling, the
+batch's page tables, kernel launches, the last-token logits). A profile without
+``prefix_pair_s`` (calibrated before it existed) charges both kinds at ``pair_s``, and
+:meth:`CostProfile.describe` says so.
 
 The tier links move ``h`` bytes host -> device (load-back), ``d`` bytes device -> host
 (write-through backup) and, on the disk, reads and writes. How the copies overlap the compute is
@@ -110,14 +119,19 @@ class CostProfile:
     kv_bytes_per_token: int  # of the model and dtype profiled (the planner's byte unit)
     provenance: Provenance
     format: int = PROFILE_FORMAT
+    #: per attention pair of a request over a prefix (all layers); None: a profile calibrated
+    #: before the term existed, which charges those pairs at ``pair_s``
+    prefix_pair_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"cost profile {self.name!r}: kind must be one of {KINDS}")
         if self.overlap not in OVERLAPS:
             raise ConfigError(f"cost profile {self.name!r}: overlap must be one of {OVERLAPS}")
-        for name in ("step_s", "request_s", "token_s", "pair_s", "prefix_s"):
+        for name in ("step_s", "request_s", "token_s", "pair_s", "prefix_s", "prefix_pair_s"):
             value = getattr(self, name)
+            if name == "prefix_pair_s" and value is None:
+                continue
             if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ConfigError(
                     f"cost profile {self.name!r}: {name} must be a finite number >= 0, "
@@ -157,15 +171,19 @@ class CostProfile:
         h2d_bytes: float,
         d2h_bytes: float,
         prefix_tokens: int = 0,
+        prefix_pairs: float = 0.0,
     ) -> tuple[float, float]:
         """``(seconds, load-back wait)`` of a step that also copies ``h2d_bytes`` and
-        ``d2h_bytes`` (bytes of this profile's KV)."""
+        ``d2h_bytes`` (bytes of this profile's KV); ``prefix_pairs`` is the part of ``pairs``
+        of requests over a prefix."""
         load = h2d_bytes / (self.h2d_gbps * GB)
         back = d2h_bytes / (self.d2h_gbps * GB)
         if requests == 0:
             return load + back, load
         fixed = self.step_s + self.request_s * requests
-        layered = self.token_s * tokens + self.pair_s * pairs + self.prefix_s * prefix_tokens
+        prefix_pair = self.pair_s if self.prefix_pair_s is None else self.prefix_pair_s
+        attention = self.pair_s * (pairs - prefix_pairs) + prefix_pair * prefix_pairs
+        layered = self.token_s * tokens + attention + self.prefix_s * prefix_tokens
         if self.overlap == "serial":
             return fixed + load + layered + back, load
         n = self.num_layers
@@ -186,7 +204,16 @@ class CostProfile:
             self.kind
         ]
         err = f", fit error {p.fit_error['mean']:.1%}" if "mean" in p.fit_error else ""
-        return f"{self.name} ({what}: {p.model} {p.dtype} on {p.device}{err})"
+        return f"{self.name} ({what}: {p.model} {p.dtype} on {p.device}{err}{self.missing()})"
+
+    def missing(self) -> str:
+        """What this profile lacks, in words (empty when it has every term)."""
+        if self.prefix_pair_s is None and self.kind != "flat":
+            return (
+                "; no prefix_pair_s (calibrated before the term existed): pairs over a prefix "
+                "charged at pair_s, recalibrate"
+            )
+        return ""
 
     # -- JSON ------------------------------------------------------------------------------------
 
@@ -198,7 +225,7 @@ class CostProfile:
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: a cost profile is a JSON object")
         known = {f.name for f in fields(cls)}
-        missing = sorted(known - set(data) - {"format"})
+        missing = sorted(known - set(data) - {"format", "prefix_pair_s"})
         unknown = sorted(set(data) - known)
         if missing or unknown:
             raise ConfigError(

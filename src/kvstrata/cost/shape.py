@@ -152,6 +152,8 @@ def estimate_profile(shape: ModelShape, device_kind: str, page_size: int = 16) -
         request_s=rates.request_s + shape.logits_flops_per_request() / (rates.matmul_tflops * 1e12),
         token_s=shape.matmul_flops_per_token() / (rates.matmul_tflops * 1e12),
         pair_s=shape.attention_flops_per_pair() / (rates.attention_tflops * 1e12),
+        # one attention rate for both kernels: an estimate knows no better
+        prefix_pair_s=shape.attention_flops_per_pair() / (rates.attention_tflops * 1e12),
         prefix_s=shape.kv_bytes_per_token / (rates.memory_gbps * 1e9),
         h2d_gbps=rates.h2d_gbps,
         d2h_gbps=rates.d2h_gbps,

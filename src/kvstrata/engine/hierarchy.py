@@ -351,6 +351,7 @@ class CacheHierarchy:
             requests=len(chunks),
             attention_pairs=sum(e * (p + e / 2) for p, e in chunks),
             prefix_tokens=sum(p for p, _ in chunks),
+            prefix_pairs=sum(e * (p + e / 2) for p, e in chunks if p),
             disk_read_bytes=after.disk_read_bytes - before.disk_read_bytes,
             disk_write_bytes=after.disk_write_bytes - before.disk_write_bytes,
         )

@@ -202,6 +202,9 @@ def _drive(
     read = 0  # requests added to the engine
     timer = EngineTimer()
     interrupted = False
+    # Arrivals count from here, when the engine can take requests: building it (the pools; a
+    # pinned L2 of tens of GiB takes seconds on CUDA) is start-up, not queueing.
+    run.startup_s = clock.start()
     for observer in observers:
         observer.on_start(run)
     try:
@@ -213,6 +216,7 @@ def _drive(
                     if feed.more and want > 0:
                         batch, wake = feed.take(want, idle=not engine.has_work())
                         read += len(batch)
+                        added = clock.now()
                         timer.start()
                         while batch:  # hand each request over and drop it: none outlives it
                             request, arrived_at = batch.pop(0)
@@ -220,15 +224,20 @@ def _drive(
                             engine.add(request, arrived_at)
                             del request
                         timer.stop()
+                        run.add_s += clock.now() - added
                     if not engine.has_work():
                         if wake is None and not feed.more:
                             break
                         if wake is not None:
+                            idle = clock.now()
                             clock.wait_until(wake)  # idle: let time pass to the next arrival
+                            run.idle_s += clock.now() - idle
                         continue
+                    began = clock.now()
                     timer.start()
                     done = engine.step()
                     timer.stop()
+                    run.step_span = (began, clock.now())
                 if engine.steps % TRIM_EVERY_STEPS == 0:
                     release_free_heap()
                 for f in done:

@@ -155,3 +155,10 @@ class ReplayRun:
     metrics_url: str | None = None
     metrics: CacheMetrics | None = None  # the collector, while metrics are served
     cost: SimCost | None = None  # the simulated clock's cost model (None on the wall clock)
+    # On the replay's clock, from the loop's start: when the last engine step began and ended,
+    # and the loop's time so far idle (waiting for the next arrival) and adding requests to the
+    # engine (replay/steps.py).
+    step_span: tuple[float, float] = (0.0, 0.0)
+    startup_s: float = 0.0  # what the clock had counted when the loop began (clock.start())
+    idle_s: float = 0.0
+    add_s: float = 0.0

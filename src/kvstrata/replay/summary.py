@@ -211,9 +211,15 @@ class ReplaySummary:
             if cost["kind"] == "estimate"
             else cost["kind"]
         )
+        missing = (
+            "; MISSING prefix_pair_s (calibrated before the term): pairs over a prefix charged "
+            "at pair_s"
+            if cost.get("prefix_pair_s") is None and cost["kind"] != "flat"
+            else ""
+        )
         return (
             f"{cost['name']}: {kind}; {prov['model']} {prov['dtype']} on {prov['device']}"
-            f"{fit}{', ' + prov['date'] if prov.get('date') else ''}"
+            f"{fit}{', ' + prov['date'] if prov.get('date') else ''}{missing}"
         )
 
     def problems(self) -> list[str]:
@@ -324,6 +330,7 @@ def summarize(
         clock={
             "kind": clock.kind,
             "seconds": round(clock.now(), 6),
+            "startup_s": round(run.startup_s, 6),  # counted before the loop, then zeroed
             "cost": describe_cost(run.cost) if run.cost is not None else None,
             "disk_wait_s": round(getattr(clock, "disk_wait_s", 0.0), 6),
             "disk_busy_s": round(getattr(clock, "disk_busy_s", 0.0), 6),
