@@ -199,35 +199,45 @@ class RedisClient:
         self,
         keys: Sequence[bytes],
         chunks: Callable[[int], list[Chunk]],
-        into: Sequence[memoryview | None] | None = None,
+        into: Callable[[int], memoryview | None] | None = None,
+        each: Callable[[int, Any], None] | None = None,
     ) -> list[Any]:
-        """One command per key (``chunks(i)``), pipelined on each key's connection; replies in
-        key order, per-command refusals as :class:`CommandError` entries."""
+        """One command per key (``chunks(i)``), pipelined on each key's connection. Each reply
+        (a per-command refusal as a :class:`CommandError`) goes to ``each(i, reply)`` as it
+        arrives, a bulk value read into ``into(i)`` (see ``wire.WireConnection.exchange``);
+        without ``each``, the replies come back in key order."""
         replies: list[Any] = [None] * len(keys)
+        moved = False
+
+        def deliver(i: int, r: Any) -> None:
+            nonlocal moved
+            if isinstance(r, _DOWN):  # a node down or loading: the whole call counts as down
+                raise r
+            if isinstance(r, Exception):
+                moved |= isinstance(r, redis.exceptions.AskError)  # MOVED is an AskError
+                r = CommandError(str(r))
+            if each is None:
+                replies[i] = r
+            else:
+                each(i, r)
+
         try:
             for pool, idx in self._pools(keys):
                 conn = pool.get_connection()
                 try:
-                    got = conn.exchange(
-                        [c for i in idx for c in chunks(i)],
-                        [into[i] if into is not None else None for i in idx],
+                    conn.exchange(
+                        (chunks(i) for i in idx),
+                        [into(i) for i in idx] if into is not None else [None] * len(idx),
+                        lambda j, r, idx=idx: deliver(idx[j], r),
                     )
                 finally:
                     pool.release(conn)
-                for i, r in zip(idx, got, strict=True):
-                    replies[i] = r
         except _DOWN as err:
             raise _unavailable(err) from None
-        out: list[Any] = []
-        moved = False
-        for r in replies:
-            if isinstance(r, _DOWN):  # a node down or loading: the whole call counts as down
-                raise _unavailable(r)
-            moved |= isinstance(r, redis.exceptions.AskError)  # MOVED is an AskError
-            out.append(CommandError(str(r)) if isinstance(r, Exception) else r)
-        if moved:
-            self._reread_slots()
-        return out
+        finally:
+            if moved:
+                self._reread_slots()
+        return replies
 
     def _reread_slots(self) -> None:
         """A cluster moved slots: read the slot map again (a failure here is the next call's)."""
@@ -238,22 +248,28 @@ class RedisClient:
                 log.debug("shared tier: cannot read the cluster's slots: %s", err)
 
     def get(
-        self, keys: Sequence[bytes], into: Sequence[memoryview | None] | None = None
-    ) -> list[memoryview | None | CommandError]:
-        """GET of each key: the value (in ``into[i]`` when it is exactly that long, else in a
-        buffer of its own), None where absent."""
-        return self._pipeline(keys, lambda i: [command(b"GET", keys[i])], into)
+        self,
+        keys: Sequence[bytes],
+        into: Callable[[int], memoryview | None],
+        each: Callable[[int, memoryview | None | CommandError], None],
+    ) -> None:
+        """GET of each key, handed to ``each(i, value)`` as it arrives: the value in
+        ``into(i)`` when it is exactly that long (reusable once ``each`` returned), else in a
+        buffer of its own; None where absent."""
+        self._pipeline(keys, lambda i: [command(b"GET", keys[i])], into, each)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool | CommandError]:
         got = self._pipeline(keys, lambda i: [command(b"EXISTS", keys[i])])
         return [r if isinstance(r, CommandError) else bool(r) for r in got]
 
     def set_new(
-        self, items: Sequence[tuple[bytes, PageValue]], ttl_s: int
+        self, items: Sequence[tuple[bytes, Callable[[], PageValue]]], ttl_s: int
     ) -> list[bool | CommandError]:
-        """SET NX (with EX ``ttl_s`` when > 0) of each item: True where the key was new."""
+        """SET NX (with EX ``ttl_s`` when > 0) of each ``(key, make value)``: True where the
+        key was new. Each value is made as its command is sent (its host slot is read until
+        this returns)."""
         keys = [k for k, _ in items]
-        got = self._pipeline(keys, lambda i: set_command(*items[i], ttl_s))
+        got = self._pipeline(keys, lambda i: set_command(keys[i], items[i][1](), ttl_s))
         return [r if isinstance(r, CommandError) else r is True for r in got]
 
     def delete(self, keys: Sequence[bytes]) -> None:
