@@ -226,7 +226,7 @@ class RedisClient:
                 conn = pool.get_connection()
                 try:
                     conn.exchange(
-                        (chunks(i) for i in idx),
+                        [c for i in idx for c in chunks(i)],
                         [into(i) for i in idx] if into is not None else [None] * len(idx),
                         lambda j, r, idx=idx: deliver(idx[j], r),
                     )
@@ -263,13 +263,11 @@ class RedisClient:
         return [r if isinstance(r, CommandError) else bool(r) for r in got]
 
     def set_new(
-        self, items: Sequence[tuple[bytes, Callable[[], PageValue]]], ttl_s: int
+        self, items: Sequence[tuple[bytes, PageValue]], ttl_s: int
     ) -> list[bool | CommandError]:
-        """SET NX (with EX ``ttl_s`` when > 0) of each ``(key, make value)``: True where the
-        key was new. Each value is made as its command is sent (its host slot is read until
-        this returns)."""
+        """SET NX (with EX ``ttl_s`` when > 0) of each item: True where the key was new."""
         keys = [k for k, _ in items]
-        got = self._pipeline(keys, lambda i: set_command(keys[i], items[i][1](), ttl_s))
+        got = self._pipeline(keys, lambda i: set_command(*items[i], ttl_s))
         return [r if isinstance(r, CommandError) else r is True for r in got]
 
     def delete(self, keys: Sequence[bytes]) -> None:

@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TypeVar
 
 from ...errors import ConfigError, PoolInvariantError
@@ -265,7 +264,7 @@ class RemoteStore:
         gathered, new_bytes = False, 0
         try:
             items = [
-                (keys[i][k], partial(encode_value, self.namespace, k, h, job.host_pool, slot))
+                (keys[i][k], encode_value(self.namespace, k, h, job.host_pool, slot))
                 for i, (h, slot) in enumerate(pages)
                 for k in self._kinds
             ]

@@ -7,8 +7,7 @@ new ``bytes``): for values of a quarter MiB that was most of a fetch's client CP
 copy held the GIL the store's other threads were waiting for. Here:
 
 - a pipeline goes out by ``sendmsg``: each command's few header bytes and, for a SET, the host
-  pool's bytes themselves (a :class:`~.values.PageValue`'s views), gathered by the kernel, each
-  value sent as soon as it is made (its CRC has just brought its bytes into the cache);
+  pool's bytes themselves (a :class:`~.values.PageValue`'s views), gathered by the kernel;
 - a bulk reply of the length the caller expects is read by ``recv_into`` straight into the
   caller's buffer (the kernel's copy, GIL released); any other reply goes through a small
   read buffer (a value of another length into a ``bytearray`` of its own).
@@ -24,7 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -35,8 +34,6 @@ from .values import PageValue
 
 #: Bytes each small read asks for (reply headers, integers, errors; a value's first bytes).
 READ_BYTES = 16384
-#: A pipeline is sent in ``sendmsg`` calls of at least this many bytes (or what is left).
-SEND_BYTES = 65536
 #: iovecs one ``sendmsg`` takes (Linux: 1024).
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 CRLF = b"\r\n"
@@ -142,8 +139,9 @@ class _Reader:
         raise ProtocolError(f"unexpected reply {line[:40]!r}")
 
 
-def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
-    """Every byte of ``views``, gathered by the kernel (``sendmsg``, IOV_MAX at a time)."""
+def _send(sock: socket.socket, chunks: Sequence[Chunk]) -> None:
+    """Every byte of ``chunks``, gathered by the kernel (``sendmsg``, IOV_MAX at a time)."""
+    views = [memoryview(c).cast("B") for c in chunks]
     i = 0
     while i < len(views):
         sent = sock.sendmsg(views[i : i + IOV_MAX])
@@ -158,23 +156,6 @@ def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
             i += 1
 
 
-def _send(sock: socket.socket, commands: Iterable[Sequence[Chunk]]) -> None:
-    """Every command's chunks, in order, as few ``sendmsg`` calls as :data:`SEND_BYTES` allows:
-    a command is made only once the ones before it are out of :data:`SEND_BYTES`' way, so a
-    value's bytes are sent while they are still in the cache that its CRC brought them into."""
-    views: list[memoryview] = []
-    size = 0
-    for chunks in commands:
-        for c in chunks:
-            views.append(memoryview(c).cast("B"))
-            size += len(views[-1])
-        if size >= SEND_BYTES:
-            _sendmsg_all(sock, views)
-            views, size = [], 0
-    if views:
-        _sendmsg_all(sock, views)
-
-
 class WireConnection(Connection):
     """A redis-py connection that also runs :meth:`exchange`."""
 
@@ -184,12 +165,11 @@ class WireConnection(Connection):
 
     def exchange(
         self,
-        commands: Iterable[Sequence[Chunk]],
+        chunks: Sequence[Chunk],
         into: Sequence[memoryview | None],
         each: Callable[[int, Any], None],
     ) -> None:
-        """Send ``commands`` (``len(into)`` of them, each its chunks; made as they are sent),
-        then read one reply per command and hand
+        """Send ``chunks`` (``len(into)`` commands), then read one reply per command and hand
         it to ``each(j, reply)`` as it arrives, a bulk value in ``into[j]`` where given and as
         long (see :meth:`_Reader.reply`; it may be reused for a later reply once ``each``
         returned). Raises redis-py's TimeoutError or ConnectionError, or what ``each`` raised,
@@ -199,7 +179,7 @@ class WireConnection(Connection):
         sock = self._sock
         assert isinstance(sock, socket.socket)
         try:
-            _send(sock, commands)
+            _send(sock, chunks)
             reader = _Reader(sock, self._read_buf)
             for j, dst in enumerate(into):
                 each(j, reader.reply(dst))
