@@ -32,13 +32,12 @@ from redis.connection import Connection
 
 from .values import PageValue
 
-#: Bytes each small read asks for (reply headers, integers, errors; a value's first bytes).
+#: Bytes each small read asks for (reply headers, integers, errors; a value's first bytes); a
+#: reply line longer than this is not one these commands get.
 READ_BYTES = 16384
 #: iovecs one ``sendmsg`` takes (Linux: 1024).
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 CRLF = b"\r\n"
-#: A reply line longer than this is not one of the replies these commands get.
-MAX_LINE = READ_BYTES
 
 Chunk = bytes | memoryview
 
@@ -99,8 +98,8 @@ class _Reader:
                 out = bytes(self.view[self.pos : at])
                 self.pos = at + 2
                 return out
-            if self.end - self.pos >= MAX_LINE:
-                raise ProtocolError(f"a reply line longer than {MAX_LINE} bytes")
+            if self.end - self.pos >= len(self.buf):
+                raise ProtocolError(f"a reply line longer than {len(self.buf)} bytes")
             self._fill()
 
     def read_into(self, dst: memoryview) -> None:
