@@ -17,7 +17,7 @@ NX pipeline sent from the host pool's own bytes; it reports the ticket ``release
 batch was sent, so the caller keeps the host slots pinned until then. A fetch is cut into batches
 of ``batch_pages`` pages, each one GET pipeline of every payload. A lookup waits for its answer at most twice the socket
 timeout. A value is written whole by one SET (atomic in Redis), so a reader sees a page's payload
-entirely or not at all; every value read is checked (``values.check_value``) before one byte of
+entirely or not at all; every value read is checked (``values.PageCodec.check``) before one byte of
 it reaches the host pool, and a bad one is a counted miss whose keys are deleted.
 
 Faults never raise: a timeout or connection error opens the breaker (``client.Breaker``), and for
@@ -43,8 +43,7 @@ from ..page_hash import HASH_BYTES, Namespace
 from .client import Breaker, CommandError, RedisClient, StoreUnavailable, log, tune_malloc
 from .config import RemoteConfig
 from .results import COUNTERS, Events, FetchDone, PublishDone, RemotePoll, RemoteStats
-from .values import check_value, decode_value_into, encode_value, key_kind, page_key, rank_pattern
-from .values import value_bytes as value_len
+from .values import PageCodec, key_kind, rank_pattern
 
 __all__ = ["RemoteConfig", "RemotePoll", "RemoteStats", "RemoteStore"]
 
@@ -78,7 +77,8 @@ class RemoteStore:
         self.namespace, self.rank, self.config = namespace, rank, config
         self.address = config.address
         self._kinds = range(len(namespace.payloads))
-        self._value_len = [value_len(namespace, k) for k in self._kinds]
+        self._codec = PageCodec(namespace, rank)
+        self._value_len = self._codec.value_len
         self.page_bytes = sum(self._value_len)
         self.budget_bytes = config.budget_bytes // namespace.cp_size
         if self.budget_bytes < self.page_bytes:
@@ -140,7 +140,7 @@ class RemoteStore:
         return self._call(lambda c: c.exists(keys))
 
     def _keys(self, page_hash: bytes) -> list[bytes]:
-        return [page_key(self.namespace, self.rank, page_hash, k) for k in self._kinds]
+        return self._codec.keys(page_hash)
 
     # -- tickets ---------------------------------------------------------------------------------
 
@@ -264,7 +264,7 @@ class RemoteStore:
         gathered, new_bytes = False, 0
         try:
             items = [
-                (keys[i][k], encode_value(self.namespace, k, h, job.host_pool, slot))
+                (keys[i][k], self._codec.encode(k, h, job.host_pool, slot))
                 for i, (h, slot) in enumerate(pages)
                 for k in self._kinds
             ]
@@ -473,7 +473,7 @@ class RemoteStore:
             (
                 f"payload {self.namespace.payloads[k].name}: {w}"
                 for k, v in enumerate(got)
-                if (w := check_value(self.namespace, k, page_hash, v)) is not None
+                if (w := self._codec.check(k, page_hash, v)) is not None
             ),
             None,
         )
@@ -482,7 +482,7 @@ class RemoteStore:
             self._warn.warn("verify", f"page {page_hash.hex()[:16]}: {why}; a miss, deleted")
             return False
         for k, v in enumerate(got):
-            decode_value_into(self.namespace, k, v, host_pool, host_slot)
+            self._codec.decode_into(k, v, host_pool, host_slot)
         return True
 
     def _scratch(self) -> list[memoryview]:

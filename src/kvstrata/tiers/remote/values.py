@@ -105,36 +105,48 @@ def pool_bytes(host_pool: HostPool) -> PoolBytes:
     return found
 
 
-def encode_value(
-    namespace: Namespace, kind: int, page_hash: bytes, host_pool: HostPool, host_slot: int
-) -> PageValue:
-    """Payload ``kind`` of host slot ``host_slot`` behind its slot header (CRC over the host
-    pool's bytes in place)."""
-    parts = tuple(pool_bytes(host_pool).page(namespace.payloads[kind].name, host_slot))
-    crc = 0
-    for part in parts:
-        crc = crc32c(part, crc)
-    header = bytearray(SLOT_HEADER_BYTES)
-    SlotHeader(kind, page_hash, namespace.payload_bytes(kind), crc).pack_into(memoryview(header))
-    return PageValue(bytes(header), parts)
+class PageCodec:
+    """One rank's keys and values under one namespace, with everything per kind worked out once
+    (key prefix, payload names and lengths): the store calls these for every value it moves."""
 
+    def __init__(self, namespace: Namespace, rank: int) -> None:
+        self.namespace = namespace
+        self.kinds = range(len(namespace.payloads))
+        self.names = [p.name for p in namespace.payloads]
+        self.payload_len = [namespace.payload_bytes(k) for k in self.kinds]
+        self.value_len = [SLOT_HEADER_BYTES + n for n in self.payload_len]
+        self._prefix = f"{KEY_PREFIX}:{namespace.digest.hex()}:r{rank}:{{".encode()
+        self._suffix = [f"}}:{k}".encode() for k in self.kinds]
 
-def check_value(
-    namespace: Namespace, kind: int, page_hash: bytes, value: bytes | memoryview
-) -> str | None:
-    """None when ``value`` is payload ``kind`` of ``page_hash`` under ``namespace``, intact;
-    else why not."""
-    want = value_bytes(namespace, kind)
-    if len(value) != want:
-        return f"{len(value)} bytes, not {want} (another geometry, or truncated)"
-    return check_slot(memoryview(value), kind, page_hash, want - SLOT_HEADER_BYTES)
+    def keys(self, page_hash: bytes) -> list[bytes]:
+        """The keys of every payload of ``page_hash`` (as :func:`page_key`)."""
+        head = self._prefix + page_hash.hex().encode()
+        return [head + tail for tail in self._suffix]
 
+    def encode(self, kind: int, page_hash: bytes, host_pool: HostPool, host_slot: int) -> PageValue:
+        """Payload ``kind`` of host slot ``host_slot`` behind its slot header (CRC over the host
+        pool's bytes in place)."""
+        parts = tuple(pool_bytes(host_pool).page(self.names[kind], host_slot))
+        crc = 0
+        for part in parts:
+            crc = crc32c(part, crc)
+        header = bytearray(SLOT_HEADER_BYTES)
+        SlotHeader(kind, page_hash, self.payload_len[kind], crc).pack_into(memoryview(header))
+        return PageValue(bytes(header), parts)
 
-def decode_value_into(
-    namespace: Namespace, kind: int, value: bytes | memoryview, host_pool: HostPool, host_slot: int
-) -> None:
-    """Copy a checked value's payload into host slot ``host_slot``."""
-    src, at = memoryview(value), SLOT_HEADER_BYTES
-    for dst in pool_bytes(host_pool).page(namespace.payloads[kind].name, host_slot):
-        dst[:] = src[at : at + len(dst)]
-        at += len(dst)
+    def check(self, kind: int, page_hash: bytes, value: bytes | memoryview) -> str | None:
+        """None when ``value`` is payload ``kind`` of ``page_hash`` under the namespace, intact;
+        else why not."""
+        want = self.value_len[kind]
+        if len(value) != want:
+            return f"{len(value)} bytes, not {want} (another geometry, or truncated)"
+        return check_slot(memoryview(value), kind, page_hash, self.payload_len[kind])
+
+    def decode_into(
+        self, kind: int, value: bytes | memoryview, host_pool: HostPool, host_slot: int
+    ) -> None:
+        """Copy a checked value's payload into host slot ``host_slot``."""
+        src, at = memoryview(value), SLOT_HEADER_BYTES
+        for dst in pool_bytes(host_pool).page(self.names[kind], host_slot):
+            dst[:] = src[at : at + len(dst)]
+            at += len(dst)
