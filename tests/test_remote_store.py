@@ -130,10 +130,15 @@ def test_mla_geometry_and_layer_first_pool(redis_server: RedisServer) -> None:
     src = host_pool(layout=layout, host_layout="layer_first")
     dst = host_pool(layout=layout)
     pages = hashes(5, ns=ns)
+    layered = host_pool(layout=layout, host_layout="layer_first")  # copied in one part a layer
     with open_store(redis_server.url, ns=ns) as store:
         publish_all(store, src, pages, ticket=1)
         assert fetch_all(store, dst, pages, ticket=2) == (True,) * 5
         assert all(read_page(dst, i) == expected_page(dst, h) for i, h in enumerate(pages))
+        assert fetch_all(store, layered, pages, ticket=3, first_slot=2) == (True,) * 5
+        assert all(
+            read_page(layered, 2 + i) == expected_page(layered, h) for i, h in enumerate(pages)
+        )
 
 
 def test_admission_ttl_and_refusals(redis_server: RedisServer) -> None:
