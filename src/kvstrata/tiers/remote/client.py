@@ -62,10 +62,12 @@ _tuned = False
 def tune_malloc() -> bool:
     """Raise glibc's mmap threshold (32 MiB) and trim threshold (256 MiB), once per process.
 
-    Every value read arrives as a Python ``bytes`` of a quarter MiB or more; by default glibc
-    serves each from fresh ``mmap`` pages or trims the heap after each batch, so every read pays
-    its page faults again (half the fetch time, measured). Freed memory is kept for reuse
-    instead: the process keeps its peak heap. Returns whether the thresholds are now set."""
+    When every value read arrived as a Python ``bytes`` of a quarter MiB or more, glibc served
+    each from fresh ``mmap`` pages or trimmed the heap after each batch, so every read paid its
+    page faults again (half the fetch time, measured then). The page commands now read into
+    reused buffers (``wire.py``) and the difference no longer shows (docs/benchmarks.md); what
+    is left of large short-lived allocations still reuses the heap. Freed memory is kept for
+    reuse: the process keeps its peak heap. Returns whether the thresholds are now set."""
     global _tuned
     with _TUNED:
         if not _tuned:
