@@ -15,10 +15,11 @@ of its pages the store lacks (one EXISTS pipeline for up to :data:`LOOKUP_PAGES`
 budget for those in page order, and queues them in batches of ``batch_pages`` pages, each one SET
 NX pipeline sent from the host pool's own bytes; it reports the ticket ``released`` once every
 batch was sent, so the caller keeps the host slots pinned until then. A fetch is cut into batches
-of ``batch_pages`` pages, each one GET pipeline of every payload. A lookup waits for its answer at most twice the socket
-timeout. A value is written whole by one SET (atomic in Redis), so a reader sees a page's payload
-entirely or not at all; every value read is checked (``values.PageCodec.check``) before one byte of
-it reaches the host pool, and a bad one is a counted miss whose keys are deleted.
+of ``batch_pages`` pages, each one GET pipeline of every payload, each page checked and copied as
+soon as its values arrived. A lookup waits for its answer at most twice the socket timeout. A
+value is written whole by one SET (atomic in Redis), so a reader sees a page's payload entirely
+or not at all; every value read is checked (``values.PageCodec.check``) before one byte of it
+reaches the host pool, and a bad one is a counted miss whose keys are deleted.
 
 Faults never raise: a timeout or connection error opens the breaker (``client.Breaker``), and for
 its interval every call answers at once (lookups 0, fetches all misses, publishes skipped), all
