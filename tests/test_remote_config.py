@@ -8,7 +8,7 @@ from disk_rig import NS, hashes
 
 from kvstrata.errors import ConfigError
 from kvstrata.tiers.remote.config import RemoteConfig, parse_url, password_from_env
-from kvstrata.tiers.remote.values import key_kind, page_key, rank_pattern
+from kvstrata.tiers.remote.values import PageCodec, key_kind, page_key, rank_pattern, value_bytes
 
 
 def test_url_forms() -> None:
@@ -66,3 +66,10 @@ def test_keys_name_namespace_rank_page_and_payload() -> None:
     # One hash tag per page: a cluster keeps every payload of a page on one node.
     tags = {page_key(NS, 0, h, k).split(b"{")[1].split(b"}")[0] for k in range(3)}
     assert tags == {h.hex().encode()}
+
+
+def test_the_stores_codec_makes_the_same_keys_and_lengths() -> None:
+    codec = PageCodec(NS, 1)
+    for h in hashes(3):
+        assert codec.keys(h) == [page_key(NS, 1, h, k) for k in range(len(NS.payloads))]
+    assert codec.value_len == [value_bytes(NS, k) for k in range(len(NS.payloads))]

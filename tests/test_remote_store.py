@@ -130,10 +130,15 @@ def test_mla_geometry_and_layer_first_pool(redis_server: RedisServer) -> None:
     src = host_pool(layout=layout, host_layout="layer_first")
     dst = host_pool(layout=layout)
     pages = hashes(5, ns=ns)
+    layered = host_pool(layout=layout, host_layout="layer_first")  # copied in one part a layer
     with open_store(redis_server.url, ns=ns) as store:
         publish_all(store, src, pages, ticket=1)
         assert fetch_all(store, dst, pages, ticket=2) == (True,) * 5
         assert all(read_page(dst, i) == expected_page(dst, h) for i, h in enumerate(pages))
+        assert fetch_all(store, layered, pages, ticket=3, first_slot=2) == (True,) * 5
+        assert all(
+            read_page(layered, 2 + i) == expected_page(layered, h) for i, h in enumerate(pages)
+        )
 
 
 def test_admission_ttl_and_refusals(redis_server: RedisServer) -> None:
@@ -460,3 +465,53 @@ def test_a_write_lost_after_the_budget_check_is_counted_once(
         assert stats.skipped_budget == 2 and stats.skipped_unavailable == 1
         assert stats.writes_skipped == 3 and stats.used_bytes == 0
         store.check()
+
+
+# -- round trips per ticket and a cluster's slot map -------------------------------------------
+
+
+def test_a_publish_asks_which_pages_exist_once_per_ticket(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One EXISTS pipeline for a ticket's 40 pages, not one per batch of 4: the round trips a
+    publish waits on before its first SET."""
+    from kvstrata.tiers.remote.client import RedisClient
+
+    calls: list[int] = []
+    exists = RedisClient.exists
+
+    def counted(self: RedisClient, keys: list[bytes]) -> list[bool | object]:
+        calls.append(len(keys))
+        return exists(self, keys)  # type: ignore[return-value]
+
+    monkeypatch.setattr(RedisClient, "exists", counted)
+    pool, pages = host_pool(), hashes(40)
+    with open_store(redis_server.url, batch_pages=4) as store:
+        done = publish_all(store, pool, pages, ticket=1).published[0]
+        assert done.written == tuple(pages)
+        assert calls == [40 * len(NS.payloads)]
+        again = publish_all(store, pool, pages[:10], ticket=2).published[0]
+        assert again.present == tuple(pages[:10]) and calls[1:] == [10 * len(NS.payloads)]
+
+
+def test_a_moved_slot_is_a_miss_then_the_map_is_read_again(redis_cluster: RedisCluster) -> None:
+    """The client's slot map sends a page's GETs to the wrong node (as after a resharding):
+    that page is a miss this once, not an error and never wrong bytes, and the map is read
+    again, so the next fetch finds it."""
+    redis_cluster.flush()
+    src, dst, pages = host_pool(), host_pool(), hashes(6)
+    with open_store(redis_cluster.url) as store:
+        publish_all(store, src, pages, ticket=1)
+        assert store._client is not None
+        r = store._client._redis
+        slot = r.keyslot(page_key(NS, 0, pages[2], 0))
+        right = r.nodes_manager.slots_cache[slot][0]
+        wrong = next(n for n in r.get_primaries() if n.name != right.name)
+        r.nodes_manager.slots_cache[slot] = [wrong]
+        fill(dst)
+        ok = fetch_all(store, dst, pages, ticket=2)
+        assert ok == (True, True, False, True, True, True) and untouched(dst, 2)
+        assert store.stats().verify_failures == 0 and store.stats().breaker_opens == 0
+        assert r.nodes_manager.slots_cache[slot][0].name == right.name
+        assert fetch_all(store, dst, pages, ticket=3) == (True,) * 6
+        assert read_page(dst, 2) == expected_page(dst, pages[2])

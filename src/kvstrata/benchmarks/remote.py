@@ -4,10 +4,11 @@
 The benchmark starts its own ``redis-server`` (no persistence) on a free loopback port. A host
 pool of ``--gib`` GiB of random pages at a real model's page geometry (default Llama-3.2-1B:
 16 layers x 8 KV heads x 64 x bf16, page 16, K and V: 256 KiB per payload per page) is published
-to a :class:`~kvstrata.tiers.remote.store.RemoteStore` (copy out of the host pool, CRC-32C,
-EXISTS, then SET NX pipelines of ``--batch-pages`` pages on ``--threads`` connections) and
-fetched back into another host pool (GET pipelines, verification, copies), then every byte is
-compared. In the same rounds, ``redis-benchmark`` SETs and GETs as many values of the same size
+to a :class:`~kvstrata.tiers.remote.store.RemoteStore` (one EXISTS pipeline per ticket of
+``--ticket-pages`` pages, then CRC-32C over the host pool's bytes and SET NX pipelines of
+``--batch-pages`` pages sent from them on ``--threads`` connections) and fetched back into
+another host pool (GET pipelines read into a per-thread buffer, every page checked, header and
+CRC, and copied into its host slot), then every byte is compared. In the same rounds, ``redis-benchmark`` SETs and GETs as many values of the same size
 (header + payload; every SET a new key on an emptied server, as ours are, reads alternating who
 goes first) over as many keys, with as many connections (``-c``), once with the
 same pipeline depth (``-P``: pages per round trip x payloads) and once without pipelining; the

@@ -8,9 +8,10 @@ from the store for an interval, so a dead or paused store costs one timeout per 
 per call. Server-side refusals of single commands (an OOM under ``noeviction``, a read-only
 replica) come back as :class:`CommandError` in the result list, not raised.
 
-A value is sent as its header and then the host pool's bytes themselves (``_Packer``, redis-py's
-Python command packer taught :class:`~.values.PageValue`); the hiredis packer (the default where
-hiredis is installed) would copy every value twice more.
+The page commands run on :mod:`.wire` (a SET sent from the host pool's own bytes, a GET read
+straight into the caller's buffer), on redis-py's connections: standalone, one pool; a cluster,
+each key's node's pool (redis-py keeps the slot map; a MOVED or ASK reply is a refused command
+this once, and the map is read again). SCAN and PING go through redis-py itself.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode
 from redis.cluster import RedisCluster as _RedisCluster
-from redis.connection import Connection, PythonRespSerializer
 from redis.retry import Retry
 
 from .config import RemoteAddress
 from .values import PageValue
+from .wire import Chunk, WireConnection, command, set_command
 
 log = logging.getLogger("kvstrata.remote")
 #: Keys a SCAN asks for per round trip.
@@ -54,35 +55,6 @@ class CommandError(Exception):
     """The server refused one command of a pipeline (its message says why)."""
 
 
-class _Packer(PythonRespSerializer):
-    """redis-py's Python command packer, which also sends a :class:`~.values.PageValue`
-    argument as its header and the host pool's own bytes: no copy on the way to the socket."""
-
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
-        if not any(isinstance(a, PageValue) for a in args):
-            return super().pack(*args)
-        assert isinstance(args[0], str) and " " not in args[0], "one-word commands only"
-        out: list[bytes | memoryview] = []
-        buff = b"*%d\r\n" % len(args)
-        for arg in args:
-            if isinstance(arg, PageValue):
-                out.append(buff + b"$%d\r\n" % arg.nbytes + arg.header)
-                out.extend(arg.parts)
-                buff = b"\r\n"
-            else:
-                enc = self.encode(arg)
-                buff += b"$%d\r\n%s\r\n" % (len(enc), enc)
-        out.append(buff)
-        return out
-
-
-class _Connection(Connection):
-    """A redis-py connection that sends large values without copying them."""
-
-    def _construct_command_packer(self, packer: Any) -> Any:
-        return _Packer(self._buffer_cutoff, self.encoder.encode)
-
-
 _TUNED = threading.Lock()
 _tuned = False
 
@@ -90,10 +62,12 @@ _tuned = False
 def tune_malloc() -> bool:
     """Raise glibc's mmap threshold (32 MiB) and trim threshold (256 MiB), once per process.
 
-    Every value read arrives as a Python ``bytes`` of a quarter MiB or more; by default glibc
-    serves each from fresh ``mmap`` pages or trims the heap after each batch, so every read pays
-    its page faults again (half the fetch time, measured). Freed memory is kept for reuse
-    instead: the process keeps its peak heap. Returns whether the thresholds are now set."""
+    When every value read arrived as a Python ``bytes`` of a quarter MiB or more, glibc served
+    each from fresh ``mmap`` pages or trimmed the heap after each batch, so every read paid its
+    page faults again (half the fetch time, measured then). The page commands now read into
+    reused buffers (``wire.py``) and the difference no longer shows (docs/benchmarks.md); what
+    is left of large short-lived allocations still reuses the heap. Freed memory is kept for
+    reuse: the process keeps its peak heap. Returns whether the thresholds are now set."""
     global _tuned
     with _TUNED:
         if not _tuned:
@@ -180,6 +154,7 @@ class RedisClient:
             "socket_timeout": timeout_s,
             "socket_connect_timeout": timeout_s,
             "socket_keepalive": True,
+            "protocol": 2,  # wire.py reads RESP2
         }
         self._redis: redis.Redis | _RedisCluster
         if address.kind == "standalone":
@@ -188,7 +163,7 @@ class RedisClient:
                 host=host,
                 port=port,
                 db=address.db,
-                connection_class=_Connection,
+                connection_class=WireConnection,
                 max_connections=max_connections + 2,
                 retry=Retry(NoBackoff(), 0),
                 **common,
@@ -201,7 +176,7 @@ class RedisClient:
                 self._redis = _RedisCluster(
                     url=f"redis://{host}:{port}",
                     startup_nodes=[ClusterNode(h, p) for h, p in address.nodes],
-                    connection_class=_Connection,
+                    connection_class=WireConnection,
                     retry=Retry(NoBackoff(), 0),
                     require_full_coverage=False,
                     max_connections=max_connections + 2,
@@ -210,52 +185,95 @@ class RedisClient:
             except _DOWN as err:  # no seed node answered
                 raise _unavailable(err) from None
 
-    def _pipeline(self, build: Callable[[Any], None]) -> list[Any]:
-        """Run one pipeline; per-command refusals become :class:`CommandError` entries."""
+    def _pools(self, keys: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
+        """Which connection pool serves which keys (by index), in first-key order."""
+        r = self._redis
+        if not isinstance(r, _RedisCluster):
+            return [(r.connection_pool, list(range(len(keys))))]
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, key in enumerate(keys):
+            node = r.get_node_from_key(key)
+            pool = r.get_redis_connection(node).connection_pool
+            groups.setdefault(node.name, (pool, []))[1].append(i)
+        return list(groups.values())
+
+    def _pipeline(
+        self,
+        keys: Sequence[bytes],
+        chunks: Callable[[int], list[Chunk]],
+        into: Callable[[int], memoryview | None] | None = None,
+        each: Callable[[int, Any], None] | None = None,
+    ) -> list[Any]:
+        """One command per key (``chunks(i)``), pipelined on each key's connection. Each reply
+        (a per-command refusal as a :class:`CommandError`) goes to ``each(i, reply)`` as it
+        arrives, a bulk value read into ``into(i)`` (see ``wire.WireConnection.exchange``);
+        without ``each``, the replies come back in key order."""
+        replies: list[Any] = [None] * len(keys)
+        moved = False
+
+        def deliver(i: int, r: Any) -> None:
+            nonlocal moved
+            if isinstance(r, _DOWN):  # a node down or loading: the whole call counts as down
+                raise r
+            if isinstance(r, Exception):
+                moved |= isinstance(r, redis.exceptions.AskError)  # MOVED is an AskError
+                r = CommandError(str(r))
+            if each is None:
+                replies[i] = r
+            else:
+                each(i, r)
+
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            build(pipe)
-            results = pipe.execute(raise_on_error=False)
+            for pool, idx in self._pools(keys):
+                conn = pool.get_connection()
+                try:
+                    conn.exchange(
+                        [c for i in idx for c in chunks(i)],
+                        [into(i) for i in idx] if into is not None else [None] * len(idx),
+                        lambda j, r, idx=idx: deliver(idx[j], r),
+                    )
+                finally:
+                    pool.release(conn)
         except _DOWN as err:
             raise _unavailable(err) from None
-        out: list[Any] = []
-        for r in results:
-            if isinstance(r, _DOWN):  # one cluster node down: the whole call counts as down
-                raise _unavailable(r)
-            out.append(CommandError(str(r)) if isinstance(r, Exception) else r)
-        return out
+        finally:
+            if moved:
+                self._reread_slots()
+        return replies
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None | CommandError]:
-        def build(pipe: Any) -> None:
-            for k in keys:
-                pipe.get(k)
+    def _reread_slots(self) -> None:
+        """A cluster moved slots: read the slot map again (a failure here is the next call's)."""
+        if isinstance(self._redis, _RedisCluster):
+            try:
+                self._redis.nodes_manager.initialize()
+            except _DOWN as err:
+                log.debug("shared tier: cannot read the cluster's slots: %s", err)
 
-        return self._pipeline(build)
+    def get(
+        self,
+        keys: Sequence[bytes],
+        into: Callable[[int], memoryview | None],
+        each: Callable[[int, memoryview | None | CommandError], None],
+    ) -> None:
+        """GET of each key, handed to ``each(i, value)`` as it arrives: the value in
+        ``into(i)`` when it is exactly that long (reusable once ``each`` returned), else in a
+        buffer of its own; None where absent."""
+        self._pipeline(keys, lambda i: [command(b"GET", keys[i])], into, each)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool | CommandError]:
-        def build(pipe: Any) -> None:
-            for k in keys:
-                pipe.exists(k)
-
-        return [r if isinstance(r, CommandError) else bool(r) for r in self._pipeline(build)]
+        got = self._pipeline(keys, lambda i: [command(b"EXISTS", keys[i])])
+        return [r if isinstance(r, CommandError) else bool(r) for r in got]
 
     def set_new(
         self, items: Sequence[tuple[bytes, PageValue]], ttl_s: int
     ) -> list[bool | CommandError]:
         """SET NX (with EX ``ttl_s`` when > 0) of each item: True where the key was new."""
-
-        def build(pipe: Any) -> None:
-            for k, v in items:
-                pipe.set(k, v, nx=True, ex=ttl_s or None)
-
-        return [r if isinstance(r, CommandError) else bool(r) for r in self._pipeline(build)]
+        keys = [k for k, _ in items]
+        got = self._pipeline(keys, lambda i: set_command(*items[i], ttl_s))
+        return [r if isinstance(r, CommandError) else r is True for r in got]
 
     def delete(self, keys: Sequence[bytes]) -> None:
-        def build(pipe: Any) -> None:
-            for k in keys:
-                pipe.delete(k)
-
-        self._pipeline(build)
+        self._pipeline(keys, lambda i: [command(b"DEL", keys[i])])
 
     def scan(self, pattern: str) -> Iterator[bytes]:
         """Every key matching ``pattern`` (all primaries of a cluster)."""

@@ -10,14 +10,16 @@ instances share, looked up and fetched back verified (docs/design.md, "Shared ti
     store.poll()                    # RemotePoll: released, published, fetched
     store.flush(timeout_s); store.stats(); store.check(); store.close()
 
-Every round trip runs on the store's threads, never on the caller's: a ticket is cut into batches
-of ``batch_pages`` pages, queued in order, and each batch is one pipeline (EXISTS, then SET NX of
-the missing pages' values; or GET of every payload). A publish copies its pages out of the host
-pool on those threads and reports the ticket ``released`` once every batch has, so the caller
-keeps the host slots pinned until then. A lookup waits for its answer at most twice the socket
-timeout. A value is written whole by one SET (atomic in Redis), so a reader sees a page's payload
-entirely or not at all; every value read is checked (``values.check_value``) before one byte of
-it reaches the host pool, and a bad one is a counted miss whose keys are deleted.
+Every round trip runs on the store's threads, never on the caller's. A publish first asks which
+of its pages the store lacks (one EXISTS pipeline for up to :data:`LOOKUP_PAGES` pages), takes the
+budget for those in page order, and queues them in batches of ``batch_pages`` pages, each one SET
+NX pipeline sent from the host pool's own bytes; it reports the ticket ``released`` once every
+batch was sent, so the caller keeps the host slots pinned until then. A fetch is cut into batches
+of ``batch_pages`` pages, each one GET pipeline of every payload, each page checked and copied as
+soon as its values arrived. A lookup waits for its answer at most twice the socket timeout. A
+value is written whole by one SET (atomic in Redis), so a reader sees a page's payload entirely
+or not at all; every value read is checked (``values.PageCodec.check``) before one byte of it
+reaches the host pool, and a bad one is a counted miss whose keys are deleted.
 
 Faults never raise: a timeout or connection error opens the breaker (``client.Breaker``), and for
 its interval every call answers at once (lookups 0, fetches all misses, publishes skipped), all
@@ -42,8 +44,7 @@ from ..page_hash import HASH_BYTES, Namespace
 from .client import Breaker, CommandError, RedisClient, StoreUnavailable, log, tune_malloc
 from .config import RemoteConfig
 from .results import COUNTERS, Events, FetchDone, PublishDone, RemotePoll, RemoteStats
-from .values import check_value, decode_value_into, encode_value, key_kind, page_key, rank_pattern
-from .values import value_bytes as value_len
+from .values import PageCodec, key_kind, rank_pattern
 
 __all__ = ["RemoteConfig", "RemotePoll", "RemoteStats", "RemoteStore"]
 
@@ -66,7 +67,6 @@ class _Job:
     written: set[bytes] = field(default_factory=set)
     present: set[bytes] = field(default_factory=set)
     ok: list[bool] = field(default_factory=list)  # fetch
-    budget_turn: int = 0  # publish: the batch whose budget is decided next (in page order)
 
 
 class RemoteStore:
@@ -78,7 +78,8 @@ class RemoteStore:
         self.namespace, self.rank, self.config = namespace, rank, config
         self.address = config.address
         self._kinds = range(len(namespace.payloads))
-        self._value_len = [value_len(namespace, k) for k in self._kinds]
+        self._codec = PageCodec(namespace, rank)
+        self._value_len = self._codec.value_len
         self.page_bytes = sum(self._value_len)
         self.budget_bytes = config.budget_bytes // namespace.cp_size
         if self.budget_bytes < self.page_bytes:
@@ -102,6 +103,7 @@ class RemoteStore:
         self._budget_lock, self._recount_lock = threading.Lock(), threading.Lock()
         self._io = concurrent.futures.ThreadPoolExecutor(config.threads, "kvstrata-remote")
         self._lookup_io = concurrent.futures.ThreadPoolExecutor(1, "kvstrata-remote-lookup")
+        self._local = threading.local()  # each store thread's read buffer (_scratch)
 
     # -- round trips -----------------------------------------------------------------------------
 
@@ -139,7 +141,7 @@ class RemoteStore:
         return self._call(lambda c: c.exists(keys))
 
     def _keys(self, page_hash: bytes) -> list[bytes]:
-        return [page_key(self.namespace, self.rank, page_hash, k) for k in self._kinds]
+        return self._codec.keys(page_hash)
 
     # -- tickets ---------------------------------------------------------------------------------
 
@@ -206,83 +208,99 @@ class RemoteStore:
         admit = [(h, slot) for h, slot, hits in pages if hits >= self.config.min_hits]
         skipped = [h for h, _, hits in pages if hits < self.config.min_hits]
         self.counters.add(publishes=1, skipped_admission=len(skipped))
-        batches = self._batches(len(admit))
-        job = _Job(ticket, host_pool, [h for h, _ in admit], len(batches), len(batches), skipped)
-        if not batches:
-            with self._events.cond:
-                self._events.released.append(ticket)
-                self._finish_publish(job)
-        for turn, b in enumerate(batches):
-            self._io.submit(self._guard, self._publish_batch, job, [admit[i] for i in b], turn)
+        job = _Job(ticket, host_pool, [h for h, _ in admit], 1, 1, skipped)
+        self._io.submit(self._guard, self._publish_job, job, admit)
         return True
 
-    def _publish_batch(self, job: _Job, pages: list[tuple[bytes, int]], turn: int) -> None:
+    def _publish_job(self, job: _Job, pages: list[tuple[bytes, int]]) -> None:
+        """A publish's first step: which pages the store lacks (one EXISTS pipeline per
+        :data:`LOOKUP_PAGES` pages), the budget for them in page order, then their SET batches
+        queued behind it. The job counts this step as one batch until it ends."""
+        n = len(self._kinds)
+        present: list[bytes] = []
+        todo: list[tuple[bytes, int]] = []
+        batches: list[list[tuple[bytes, int]]] = []
+        try:
+            for b in range(0, len(pages), LOOKUP_PAGES):
+                chunk = pages[b : b + LOOKUP_PAGES]
+                there = self._exists([k for h, _ in chunk for k in self._keys(h)])
+                for i, page in enumerate(chunk):
+                    if all(x is True for x in there[i * n : (i + 1) * n]):
+                        present.append(page[0])
+                    else:
+                        todo.append(page)
+            fits = self._reserve(len(todo)) if todo else 0  # raises before it reserves
+            if fits < len(todo):
+                self.counters.add(skipped_budget=len(todo) - fits)
+                self._warn.warn("budget", "the namespace's share of the store is used up")
+            step = self.config.batch_pages
+            batches = [todo[i : min(i + step, fits)] for i in range(0, fits, step)]
+        except StoreUnavailable:
+            self.counters.add(skipped_unavailable=len(pages) - len(present))
+        self.counters.add(pages_present=len(present))
+        with self._events.cond:
+            job.pending += len(batches)
+            job.gathering += len(batches)
+        for queued, batch in enumerate(batches):
+            try:
+                self._io.submit(self._guard, self._publish_batch, job, batch)
+            except RuntimeError:  # the store is closing: its threads take no more work
+                unsent = batches[queued:]
+                count = sum(len(b) for b in unsent)
+                self.counters.add(skipped_unavailable=count)
+                with self._budget_lock:
+                    self._reserved -= count * self.page_bytes
+                with self._events.cond:
+                    job.pending -= len(unsent)
+                    job.gathering -= len(unsent)
+                break
+        self._gathered(job)
+        self._batch_done(job, [], present)
+
+    def _publish_batch(self, job: _Job, pages: list[tuple[bytes, int]]) -> None:
+        """SET NX of ``pages``' values (their budget reserved by :meth:`_publish_job`)."""
         n, keys = len(self._kinds), [self._keys(h) for h, _ in pages]
         written: list[bytes] = []
         present: list[bytes] = []
-        gathered, reserved, new_bytes, over = False, 0, 0, 0
+        gathered, new_bytes = False, 0
         try:
-            try:
-                there = self._exists([k for ks in keys for k in ks])
-                todo = []
-                for i, (h, _) in enumerate(pages):
-                    if all(x is True for x in there[i * n : (i + 1) * n]):
-                        present.append(h)
-                    else:
-                        todo.append(i)
-                # The budget goes to a job's batches in page order, whichever thread is faster:
-                # batches start in order, so the ones before this are running and never wait.
-                with self._events.cond:
-                    # Bounded: a predecessor that crashed before its turn must not hang this.
-                    self._events.cond.wait_for(
-                        lambda: job.budget_turn >= turn, 4 * self.config.timeout_s + 1.0
-                    )
-                fits = self._reserve(len(todo))
-            finally:
-                with self._events.cond:
-                    job.budget_turn = turn + 1
-                    self._events.cond.notify_all()
-            reserved, over = fits * self.page_bytes, len(todo) - fits
-            self.counters.add(skipped_budget=over)
-            if fits < len(todo):
-                self._warn.warn("budget", "the namespace's share of the store is used up")
-            todo = todo[:fits]
             items = [
-                (keys[i][k], encode_value(self.namespace, k, h, job.host_pool, slot))
-                for i in todo
-                for h, slot in (pages[i],)
+                (keys[i][k], self._codec.encode(k, h, job.host_pool, slot))
+                for i, (h, slot) in enumerate(pages)
                 for k in self._kinds
             ]
             stored = self._call(lambda c: c.set_new(items, self.config.ttl_s))
             self._gathered(job)  # sent: the host pool's bytes are not read again
             gathered = True
-            for j, i in enumerate(todo):
-                res = stored[j * n : (j + 1) * n]
+            for i, (h, _) in enumerate(pages):
+                res = stored[i * n : (i + 1) * n]
                 errors = [r for r in res if isinstance(r, CommandError)]
                 if errors:
                     self.counters.add(write_errors=1)
                     self._warn.warn("write", f"{self.address.shown} refused a write: {errors[0]}")
                     continue
                 new_bytes += sum(self._value_len[k] for k, r in enumerate(res) if r is True)
-                (written if any(r is True for r in res) else present).append(pages[i][0])
+                (written if any(r is True for r in res) else present).append(h)
         except StoreUnavailable:
-            done = len(written) + len(present) + over
-            self.counters.add(skipped_unavailable=len(pages) - done)
+            self.counters.add(skipped_unavailable=len(pages) - len(written) - len(present))
         finally:
             if not gathered:
                 self._gathered(job)
             with self._budget_lock:
-                self._reserved -= reserved
+                self._reserved -= len(pages) * self.page_bytes
                 self._used += new_bytes
             self.counters.add(
                 pages_written=len(written), bytes_written=new_bytes, pages_present=len(present)
             )
-            with self._events.cond:
-                job.written.update(written)
-                job.present.update(present)
-                job.pending -= 1
-                if job.pending == 0:
-                    self._finish_publish(job)
+            self._batch_done(job, written, present)
+
+    def _batch_done(self, job: _Job, written: list[bytes], present: list[bytes]) -> None:
+        with self._events.cond:
+            job.written.update(written)
+            job.present.update(present)
+            job.pending -= 1
+            if job.pending == 0:
+                self._finish_publish(job)
 
     def _gathered(self, job: _Job) -> None:
         with self._events.cond:
@@ -399,40 +417,35 @@ class RemoteStore:
         return True
 
     def _fetch_batch(self, job: _Job, pages: range, host_slots: list[int]) -> None:
+        """One GET pipeline of every payload of ``pages``; each page is checked and copied into
+        its host slot as soon as its values arrived (into this thread's one-page buffer), while
+        the server still sends the next ones."""
         n, hashes = len(self._kinds), [job.order[i] for i in pages]
         keys = [self._keys(h) for h in hashes]
         ok = [False] * len(hashes)
         bad: list[bytes] = []
-        read = False
+        arrived = 0  # pages whose every reply came
+        scratch = self._scratch()
+        got: list[memoryview | None | CommandError] = [None] * n
+
+        def each(j: int, value: memoryview | None | CommandError) -> None:
+            nonlocal arrived
+            i, k = divmod(j, n)
+            got[k] = value
+            if k == n - 1:
+                arrived = i + 1
+                if self._take_page(job.host_pool, hashes[i], host_slots[i], got):
+                    ok[i] = True
+                elif all(isinstance(v, memoryview) for v in got):
+                    bad.extend(keys[i])  # read but not intact: deleted below
+
         try:
             flat = [k for ks in keys for k in ks]
-            values = self._call(lambda c: c.get(flat))
-            read = True
-            for i, h in enumerate(hashes):
-                got = [v for v in values[i * n : (i + 1) * n] if isinstance(v, bytes)]
-                if len(got) < n:
-                    continue  # absent (never written, evicted, expired) or refused: a miss
-                why = next(
-                    (
-                        f"payload {self.namespace.payloads[k].name}: {w}"
-                        for k, v in enumerate(got)
-                        if (w := check_value(self.namespace, k, h, v)) is not None
-                    ),
-                    None,
-                )
-                if why is not None:
-                    self.counters.add(verify_failures=1)
-                    self._warn.warn("verify", f"page {h.hex()[:16]}: {why}; a miss, deleted")
-                    bad += keys[i]
-                    continue
-                for k, v in enumerate(got):
-                    decode_value_into(self.namespace, k, v, job.host_pool, host_slots[i])
-                ok[i] = True
+            self._call(lambda c: c.get(flat, lambda j: scratch[j % n], each))
             if bad:
                 self._call(lambda c: c.delete(bad))
         except StoreUnavailable:
-            if not read:
-                self.counters.add(read_unavailable=len(hashes))
+            self.counters.add(read_unavailable=len(hashes) - arrived)
         finally:
             hits = sum(ok)
             self.counters.add(
@@ -444,6 +457,47 @@ class RemoteStore:
                 job.pending -= 1
                 if job.pending == 0:
                     self._finish_fetch(job)
+
+    def _take_page(
+        self,
+        host_pool: HostPool,
+        page_hash: bytes,
+        host_slot: int,
+        values: list[memoryview | None | CommandError],
+    ) -> bool:
+        """Check every payload's value of a page and, only if all are intact, copy them into
+        ``host_slot``. A missing or refused value is a miss; a bad one is counted and logged."""
+        got = [v for v in values if isinstance(v, memoryview)]
+        if len(got) < len(values):
+            return False  # absent (never written, evicted, expired) or refused: a miss
+        why = next(
+            (
+                f"payload {self.namespace.payloads[k].name}: {w}"
+                for k, v in enumerate(got)
+                if (w := self._codec.check(k, page_hash, v)) is not None
+            ),
+            None,
+        )
+        if why is not None:
+            self.counters.add(verify_failures=1)
+            self._warn.warn("verify", f"page {page_hash.hex()[:16]}: {why}; a miss, deleted")
+            return False
+        for k, v in enumerate(got):
+            self._codec.decode_into(k, v, host_pool, host_slot)
+        return True
+
+    def _scratch(self) -> list[memoryview]:
+        """This thread's read buffer, one page's values: each page read lands there, is
+        checked, and is copied into the host pool before the next page's values are read (one
+        buffer per thread, reused: no allocation, no page faults, and warm in the cache)."""
+        buf: bytearray | None = getattr(self._local, "scratch", None)
+        if buf is None:
+            buf = self._local.scratch = bytearray(self.page_bytes)
+        view, out, at = memoryview(buf), [], 0
+        for size in self._value_len:
+            out.append(view[at : at + size])
+            at += size
+        return out
 
     def _finish_fetch(self, job: _Job) -> None:
         self._events.fetched.append(FetchDone(job.ticket, tuple(job.ok)))

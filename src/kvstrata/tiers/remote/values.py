@@ -17,13 +17,11 @@ namespace, page, payload or geometry fails, and so does any flipped bit.
 
 from __future__ import annotations
 
-import ctypes
+import weakref
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ..disk_buffers import host_page_bytes
 from ..disk_format import SLOT_HEADER_BYTES, SlotHeader, check_slot, crc32c
 from ..host_pool import HostPool
 from ..page_hash import Namespace
@@ -66,38 +64,89 @@ class PageValue:
         return len(self.header) + sum(len(p) for p in self.parts)
 
 
-def encode_value(
-    namespace: Namespace, kind: int, page_hash: bytes, host_pool: HostPool, host_slot: int
-) -> PageValue:
-    """Payload ``kind`` of host slot ``host_slot`` behind its slot header (CRC over the host
-    pool's bytes in place)."""
-    spec = namespace.payloads[kind]
-    views = host_page_bytes(host_pool, spec.name, host_slot)
-    parts = tuple(memoryview(t.numpy().data) for t in views)  # 1-D uint8: len() is bytes
-    crc = 0
-    for part in parts:
-        crc = crc32c(part, crc)
-    header = bytearray(SLOT_HEADER_BYTES)
-    SlotHeader(kind, page_hash, namespace.payload_bytes(kind), crc).pack_into(memoryview(header))
-    return PageValue(bytes(header), parts)
+class PoolBytes:
+    """A host pool's pages as byte views: one ``memoryview`` per slab (per layer in
+    ``layer_first``), cut per slot by slicing, which costs no torch call (each of those
+    releases and takes back the GIL that the store's other threads wait for)."""
+
+    def __init__(self, host_pool: HostPool) -> None:
+        self.per_slab = host_pool.slots_per_slab
+        self._views: dict[str, list[list[memoryview]]] = {}
+        self._stride: dict[str, int] = {}
+        for spec in host_pool.layout.payloads:
+            layer_first = host_pool.host_layout == "layer_first"
+            groups = host_pool.layout.layers(spec) if layer_first else 1
+            slabs = []
+            for g in range(groups):
+                row = []
+                for slab in range(host_pool.num_slabs):
+                    t = host_pool.slab_tensor(spec.name, g, slab)
+                    assert t.is_contiguous() and t.device.type == "cpu"
+                    row.append(t.reshape(-1).view(torch.uint8).numpy().data)
+                slabs.append(row)
+            self._views[spec.name] = slabs
+            self._stride[spec.name] = host_pool.page_geometry(spec.name, 0)[0]
+
+    def page(self, payload: str, host_slot: int) -> list[memoryview]:
+        """The slot's bytes of ``payload`` in layer order (as ``disk_buffers.host_page_bytes``)."""
+        slab, row = divmod(host_slot, self.per_slab)
+        stride = self._stride[payload]
+        return [g[slab][row * stride : (row + 1) * stride] for g in self._views[payload]]
 
 
-def check_value(namespace: Namespace, kind: int, page_hash: bytes, value: bytes) -> str | None:
-    """None when ``value`` is payload ``kind`` of ``page_hash`` under ``namespace``, intact;
-    else why not."""
-    want = value_bytes(namespace, kind)
-    if len(value) != want:
-        return f"{len(value)} bytes, not {want} (another geometry, or truncated)"
-    return check_slot(memoryview(value), kind, page_hash, want - SLOT_HEADER_BYTES)
+_POOL_BYTES: weakref.WeakKeyDictionary[HostPool, PoolBytes] = weakref.WeakKeyDictionary()
 
 
-def decode_value_into(
-    namespace: Namespace, kind: int, value: bytes, host_pool: HostPool, host_slot: int
-) -> None:
-    """Copy a checked value's payload into host slot ``host_slot``."""
-    spec = namespace.payloads[kind]
-    at = int(np.frombuffer(value, dtype=np.uint8).ctypes.data) + SLOT_HEADER_BYTES
-    for dst in host_page_bytes(host_pool, spec.name, host_slot):
-        assert dst.dtype == torch.uint8 and dst.is_contiguous()
-        ctypes.memmove(dst.data_ptr(), at, dst.numel())
-        at += dst.numel()
+def pool_bytes(host_pool: HostPool) -> PoolBytes:
+    """The pool's :class:`PoolBytes`, built at its first use."""
+    found = _POOL_BYTES.get(host_pool)
+    if found is None:
+        found = _POOL_BYTES[host_pool] = PoolBytes(host_pool)
+    return found
+
+
+class PageCodec:
+    """One rank's keys and values under one namespace, with everything per kind worked out once
+    (key prefix, payload names and lengths): the store calls these for every value it moves."""
+
+    def __init__(self, namespace: Namespace, rank: int) -> None:
+        self.namespace = namespace
+        self.kinds = range(len(namespace.payloads))
+        self.names = [p.name for p in namespace.payloads]
+        self.payload_len = [namespace.payload_bytes(k) for k in self.kinds]
+        self.value_len = [SLOT_HEADER_BYTES + n for n in self.payload_len]
+        self._prefix = f"{KEY_PREFIX}:{namespace.digest.hex()}:r{rank}:{{".encode()
+        self._suffix = [f"}}:{k}".encode() for k in self.kinds]
+
+    def keys(self, page_hash: bytes) -> list[bytes]:
+        """The keys of every payload of ``page_hash`` (as :func:`page_key`)."""
+        head = self._prefix + page_hash.hex().encode()
+        return [head + tail for tail in self._suffix]
+
+    def encode(self, kind: int, page_hash: bytes, host_pool: HostPool, host_slot: int) -> PageValue:
+        """Payload ``kind`` of host slot ``host_slot`` behind its slot header (CRC over the host
+        pool's bytes in place)."""
+        parts = tuple(pool_bytes(host_pool).page(self.names[kind], host_slot))
+        crc = 0
+        for part in parts:
+            crc = crc32c(part, crc)
+        header = bytearray(SLOT_HEADER_BYTES)
+        SlotHeader(kind, page_hash, self.payload_len[kind], crc).pack_into(memoryview(header))
+        return PageValue(bytes(header), parts)
+
+    def check(self, kind: int, page_hash: bytes, value: bytes | memoryview) -> str | None:
+        """None when ``value`` is payload ``kind`` of ``page_hash`` under the namespace, intact;
+        else why not."""
+        want = self.value_len[kind]
+        if len(value) != want:
+            return f"{len(value)} bytes, not {want} (another geometry, or truncated)"
+        return check_slot(memoryview(value), kind, page_hash, self.payload_len[kind])
+
+    def decode_into(
+        self, kind: int, value: bytes | memoryview, host_pool: HostPool, host_slot: int
+    ) -> None:
+        """Copy a checked value's payload into host slot ``host_slot``."""
+        src, at = memoryview(value), SLOT_HEADER_BYTES
+        for dst in pool_bytes(host_pool).page(self.names[kind], host_slot):
+            dst[:] = src[at : at + len(dst)]
+            at += len(dst)

@@ -1,0 +1,198 @@
+"""The shared tier's page commands on the wire: RESP2 pipelines sent and read on a redis-py
+connection's own socket, without redis-py's per-command packer and parser.
+
+redis-py's pipeline sends every chunk by its own ``sendall`` and reads every reply through its
+parser, which copies a value twice under the GIL (hiredis: into its reader's buffer, then into a
+new ``bytes``): for values of a quarter MiB that was most of a fetch's client CPU, and every
+copy held the GIL the store's other threads were waiting for. Here:
+
+- a pipeline goes out by ``sendmsg``: each command's few header bytes and, for a SET, the host
+  pool's bytes themselves (a :class:`~.values.PageValue`'s views), gathered by the kernel;
+- a bulk reply of the length the caller expects is read by ``recv_into`` straight into the
+  caller's buffer (the kernel's copy, GIL released); any other reply goes through a small
+  read buffer (a value of another length into a ``bytearray`` of its own).
+
+The connection stays redis-py's: it connects, authenticates and selects the database, and its
+pool checks it before handing it out. Its parser is never used in between: an exchange reads
+exactly the replies it asked for, so nothing is left behind for it, and any fault (timeout, lost
+connection, a reply that is not RESP2) disconnects the connection, so the pool hands out a fresh
+one next time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+from redis._parsers.base import BaseParser
+from redis.connection import Connection
+
+from .values import PageValue
+
+#: Bytes each small read asks for (reply headers, integers, errors; a value's first bytes); a
+#: reply line longer than this is not one these commands get.
+READ_BYTES = 16384
+#: iovecs one ``sendmsg`` takes (Linux: 1024).
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+CRLF = b"\r\n"
+
+Chunk = bytes | memoryview
+
+
+def command(*args: bytes) -> bytes:
+    """One RESP2 command of bulk-string arguments."""
+    out = [b"*%d\r\n" % len(args)]
+    out += [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
+    return b"".join(out)
+
+
+def set_command(key: bytes, value: PageValue, ttl_s: int) -> list[Chunk]:
+    """``SET key value NX [EX ttl_s]`` as chunks: the value's header, then its views."""
+    tail = b"$2\r\nNX\r\n" + (
+        b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s) if ttl_s else b""
+    )
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+        6 if ttl_s else 4,
+        len(key),
+        key,
+        value.nbytes,
+    )
+    return [head + value.header, *value.parts, CRLF + tail]
+
+
+class ProtocolError(redis.exceptions.ConnectionError):
+    """The server's reply is not what these commands get (the connection is dropped)."""
+
+
+class _Reader:
+    """Replies from ``sock``, buffered in small reads, bulk values straight into the caller's
+    buffer."""
+
+    def __init__(self, sock: socket.socket, buf: bytearray) -> None:
+        self.sock, self.buf, self.view = sock, buf, memoryview(buf)
+        self.pos = self.end = 0
+
+    @property
+    def pending(self) -> int:
+        return self.end - self.pos
+
+    def _fill(self) -> None:
+        if self.pos == self.end:
+            self.pos = self.end = 0
+        elif self.end == len(self.buf):  # keep the unread tail, at the front
+            n = self.end - self.pos
+            self.view[:n] = self.view[self.pos : self.end]
+            self.pos, self.end = 0, n
+        got = self.sock.recv_into(self.view[self.end :])
+        if got == 0:
+            raise redis.exceptions.ConnectionError("the server closed the connection")
+        self.end += got
+
+    def line(self) -> bytes:
+        while True:
+            at = self.buf.find(CRLF, self.pos, self.end)
+            if at >= 0:
+                out = bytes(self.view[self.pos : at])
+                self.pos = at + 2
+                return out
+            if self.end - self.pos >= len(self.buf):
+                raise ProtocolError(f"a reply line longer than {len(self.buf)} bytes")
+            self._fill()
+
+    def read_into(self, dst: memoryview) -> None:
+        """Exactly ``len(dst)`` bytes into ``dst``: what is buffered, then the socket's."""
+        have = min(self.end - self.pos, len(dst))
+        dst[:have] = self.view[self.pos : self.pos + have]
+        self.pos += have
+        while have < len(dst):
+            got = self.sock.recv_into(dst[have:])
+            if got == 0:
+                raise redis.exceptions.ConnectionError("the server closed the connection")
+            have += got
+
+    def reply(self, into: memoryview | None) -> Any:
+        """One reply: True for +OK, an int, None for a nil, an exception for an error, a bulk
+        value in ``into`` when it is exactly that long (else in a ``bytearray`` of its own)."""
+        line = self.line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            dst = into if into is not None and len(into) == n else memoryview(bytearray(n))
+            self.read_into(dst)
+            if self.line() != b"":
+                raise ProtocolError("a bulk reply longer than its length")
+            return dst
+        if kind == b":":
+            return int(rest)
+        if kind == b"_":  # RESP3's null, should the connection speak it
+            return None
+        if kind == b"+":
+            return True if rest == b"OK" else rest
+        if kind == b"-":
+            return BaseParser.parse_error(rest.decode("utf-8", "replace"))
+        raise ProtocolError(f"unexpected reply {line[:40]!r}")
+
+
+def _send(sock: socket.socket, chunks: Sequence[Chunk]) -> None:
+    """Every byte of ``chunks``, gathered by the kernel (``sendmsg``, IOV_MAX at a time)."""
+    views = [memoryview(c).cast("B") for c in chunks]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + IOV_MAX])
+        while sent > 0:
+            if sent >= len(views[i]):
+                sent -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+        while i < len(views) and len(views[i]) == 0:
+            i += 1
+
+
+class WireConnection(Connection):
+    """A redis-py connection that also runs :meth:`exchange`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_buf = bytearray(READ_BYTES)
+
+    def exchange(
+        self,
+        chunks: Sequence[Chunk],
+        into: Sequence[memoryview | None],
+        each: Callable[[int, Any], None],
+    ) -> None:
+        """Send ``chunks`` (``len(into)`` commands), then read one reply per command and hand
+        it to ``each(j, reply)`` as it arrives, a bulk value in ``into[j]`` where given and as
+        long (see :meth:`_Reader.reply`; it may be reused for a later reply once ``each``
+        returned). Raises redis-py's TimeoutError or ConnectionError, or what ``each`` raised,
+        having dropped the connection."""
+        if self._sock is None:
+            self.connect()
+        sock = self._sock
+        assert isinstance(sock, socket.socket)
+        try:
+            _send(sock, chunks)
+            reader = _Reader(sock, self._read_buf)
+            for j, dst in enumerate(into):
+                each(j, reader.reply(dst))
+            if reader.pending:
+                raise ProtocolError(f"{reader.pending} bytes past the last reply")
+        except TimeoutError:  # socket.timeout
+            self.disconnect()
+            raise redis.exceptions.TimeoutError("timeout on the shared tier's socket") from None
+        except OSError as err:
+            self.disconnect()
+            raise redis.exceptions.ConnectionError(f"shared tier socket: {err}") from None
+        except ValueError as err:  # int() of a garbled line
+            self.disconnect()
+            raise ProtocolError(f"cannot read a reply: {err}") from None
+        except BaseException:
+            self.disconnect()
+            raise
