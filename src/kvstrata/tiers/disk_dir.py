@@ -140,8 +140,9 @@ def _make_dir(path: Path) -> None:
     refuse_link(path, "dir")
 
 
-def _read_marker(root: Path) -> dict[str, object] | None:
-    path = root / MARKER
+def read_own_file(path: Path, limit: int) -> bytes | None:
+    """Up to ``limit`` bytes of one of kvstrata's small files (None when there is none); a link
+    or anything but a regular file is refused, any other failure is a DiskStoreError."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -153,9 +154,16 @@ def _read_marker(root: Path) -> dict[str, object] | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             refuse_link(path)
-        raw = os.read(fd, 4096)
+        return os.read(fd, limit)
     finally:
         os.close(fd)
+
+
+def _read_marker(root: Path) -> dict[str, object] | None:
+    path = root / MARKER
+    raw = read_own_file(path, 4096)
+    if raw is None:
+        return None
     try:
         doc = json.loads(raw)
     except ValueError:

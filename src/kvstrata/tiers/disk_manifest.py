@@ -20,7 +20,6 @@ locks, before the slabs are opened.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..errors import DiskFormatError, DiskStoreError
-from .disk_dir import FILE_MODE, index_dir, layout_path, refuse_link, temp_name
+from .disk_dir import FILE_MODE, index_dir, layout_path, read_own_file, refuse_link, temp_name
 
 _KIND = "disk layout"
 _VERSION = 1
@@ -60,18 +59,9 @@ class Layout:
 def read_layout(path: Path) -> Layout | None:
     """The record at ``path``, None when there is none; a record that is not one of kvstrata's
     (or not whole) is a :class:`DiskFormatError` naming the way out."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    except FileNotFoundError:
+    raw = read_own_file(path, 1 << 16)
+    if raw is None:
         return None
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            refuse_link(path)
-        raise DiskStoreError(f"cannot read {path}: {err.strerror}") from None
-    try:
-        raw = os.read(fd, 1 << 16)
-    finally:
-        os.close(fd)
     try:
         doc = json.loads(raw)
         assert isinstance(doc, dict) and doc["kvstrata"] == _KIND and doc["version"] == _VERSION
