@@ -131,3 +131,17 @@ def patch_slot_io(monkeypatch: Any, op: str, before: Callable[[SlabFile, int], N
 
     monkeypatch.setattr(SlabFile, f"{op}_slot", single)
     monkeypatch.setattr(SlabFile, f"{op}_slots", vectored)
+
+
+def engine_counts(engine: Any) -> dict[str, object]:
+    """What a replay through an engine with a disk tier must give alike every run: hit tokens
+    per tier, the engine's and the store's disk counts, the tree."""
+    disk = engine.cache.disk
+    assert disk is not None
+    store = disk.store.stats()
+    return {
+        "hit_tokens": dict(engine.hit_tokens),
+        "engine": vars(disk.stats).copy(),
+        "store": (store.pages_written, store.pages_read, store.gc_reclaimed, store.spills_refused),
+        "tree": engine.cache.tree.digest(),
+    }

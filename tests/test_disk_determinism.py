@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from disk_rig import (
+    engine_counts,
     expected_page,
     hashes,
     host_pool,
@@ -221,15 +222,7 @@ def _engine_counts(tmp: Path) -> dict[str, object]:
         engine.run(requests)
     finally:
         engine.close()
-    disk = engine.cache.disk
-    assert disk is not None
-    store = disk.store.stats()
-    return {
-        "hit_tokens": dict(engine.hit_tokens),
-        "engine": vars(disk.stats).copy(),
-        "store": (store.pages_written, store.pages_read, store.gc_reclaimed, store.spills_refused),
-        "tree": engine.cache.tree.digest(),
-    }
+    return engine_counts(engine)
 
 
 def test_the_engine_gives_the_same_counts_on_a_slow_disk(

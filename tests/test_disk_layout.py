@@ -17,6 +17,7 @@ from disk_rig import (
     LAYOUT,
     NS,
     PAGE,
+    engine_counts,
     expected_page,
     hashes,
     host_pool,
@@ -328,13 +329,7 @@ def _engine_counts(tmp: Path) -> dict[str, object]:
     disk = engine.cache.disk
     assert disk is not None and isinstance(disk.store, DiskStore)
     assert disk.store.dirs == (tmp / "a", tmp / "b")
-    store = disk.store.stats()
-    return {
-        "hit_tokens": dict(engine.hit_tokens),
-        "engine": vars(disk.stats).copy(),
-        "store": (store.pages_written, store.pages_read, store.gc_reclaimed, store.spills_refused),
-        "tree": engine.cache.tree.digest(),
-    }
+    return engine_counts(engine)
 
 
 def test_two_directories_give_the_same_counts_every_run(

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from disk_rig import engine_counts
 from helpers import run_all
 
 from kvstrata.engine import Engine, EngineConfig
@@ -139,15 +140,7 @@ def _l3_counts(tmp: Path, requests: list[Request]) -> dict[str, object]:
         engine.run(requests)
     finally:
         engine.close()
-    disk = engine.cache.disk
-    assert disk is not None
-    store = disk.store.stats()
-    return {
-        "hit_tokens": dict(engine.hit_tokens),
-        "engine": vars(disk.stats).copy(),
-        "store": (store.pages_written, store.pages_read, store.gc_reclaimed, store.spills_refused),
-        "tree": engine.cache.tree.digest(),
-    }
+    return engine_counts(engine)
 
 
 def test_the_same_l3_replay_twice_gives_identical_counts(tmp_path: Path) -> None:
