@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.calibrate import Sample, _fit_compute, calibrate, design, predict, prefix_lengths
+from kvstrata.calibrate import Sample, calibrate, design, fit_compute, predict, prefix_lengths
 from kvstrata.cli import main
 from kvstrata.clock import StepWork
 from kvstrata.cost import load_profile
@@ -89,5 +89,5 @@ def test_the_fit_separates_pairs_over_a_prefix() -> None:
                    + truth["pair"] * (pairs - over) + truth["prefix_pair"] * over
                    + truth["prefix"] * sum(point.prefixes))  # fmt: skip
         samples.append(Sample(point, work, seconds, 0.0))
-    fitted = _fit_compute(samples)
+    fitted = fit_compute([s.work for s in samples], [s.seconds for s in samples])
     assert fitted == pytest.approx(tuple(truth.values()), rel=1e-6)

@@ -99,6 +99,10 @@ def design(max_tokens: int, with_l2: bool, max_prefix: int | None = None) -> lis
         for e in (m // 64, m // 8, m // 2)
     ]
     pts += [Point("batch", (n,) * k) for k in (2, 8, 32) for n in (m // 64, m // 16)]
+    # What a replay's steps mostly are: several requests' chunks, each over its own prefix.
+    spread = prefix_lengths(m, longest)[1:]
+    pts += [Point("batch", (m // 4,) * 4, (p // 8, p // 4, p // 2, p)) for p in spread]
+    pts += [Point("batch", (m // 4,) * 2, (p // 2, p)) for p in spread]
     pts += [
         Point("fresh", (3 * m // 8,), held_back=True),
         Point("fresh", (3 * m // 4,), held_back=True),
@@ -178,7 +182,9 @@ class _Rig:
         return steps[0]
 
 
-def _fit_compute(samples: list[Sample]) -> tuple[float, float, float, float, float, float]:
+def fit_compute(
+    works: list[StepWork], seconds: list[float]
+) -> tuple[float, float, float, float, float, float]:
     """Least squares on relative error with every term >= 0: drop a negative term, refit.
     The terms: per step, request, token, pair of a request without a prefix, pair of one over a
     prefix, cached prefix token."""
@@ -192,10 +198,10 @@ def _fit_compute(samples: list[Sample]) -> tuple[float, float, float, float, flo
                 w.prefix_pairs,
                 w.prefix_tokens,
             ]
-            for w in (s.work for s in samples)
+            for w in works
         ]
     )
-    y = np.array([s.seconds for s in samples])
+    y = np.array(seconds)
     w = x / y[:, None]
     active = [0, 1, 2, 3, 4, 5]
     while True:
@@ -397,7 +403,9 @@ def _calibrate(
     samples = [measured[i] for i in range(len(points))]
     fit = [s for s in samples if not s.point.held_back]
     plain = [s for s in fit if s.point.kind in ("fresh", "prefix", "batch")]
-    step_s, request_s, token_s, pair_s, prefix_pair_s, prefix_s = _fit_compute(plain)
+    step_s, request_s, token_s, pair_s, prefix_pair_s, prefix_s = fit_compute(
+        [s.work for s in plain], [s.seconds for s in plain]
+    )
     read, write = DISK_DEFAULTS[dev.type]
     profile = CostProfile(
         name=name or f"{dev.type}-{os.path.basename(model)}-{dtype_name}",

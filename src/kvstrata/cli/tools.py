@@ -114,9 +114,70 @@ def calibrate_parser(sub: argparse._SubParsersAction) -> None:
         default=CALIBRATE_DEFAULTS["threads"],
         help="torch intra-op CPU threads while timing (kvstrata replay's default is 1)",
     )
+    p.add_argument(
+        "--from-steps",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="fit the compute terms to these step logs of measured replays instead (the "
+        "*-measured.jsonl files of kvstrata bench planner-accuracy --steps-out DIR); no engine "
+        "runs. The link rates come from --base-profile",
+    )
+    p.add_argument(
+        "--base-profile",
+        default=None,
+        metavar="NAME|FILE",
+        help="with --from-steps: the profile whose link rates and provenance the fit keeps "
+        "(default: the shipped profile of --model, --device and --dtype)",
+    )
     p.add_argument("--out", required=True, metavar="FILE", help="where the profile is written")
     p.add_argument("--json", action="store_true", help="the profile as one JSON line, last")
     p.set_defaults(func=_run_calibrate)
+
+
+def _run_from_steps(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    from ..calibrate_steps import fit_steps
+    from ..cost import find_shipped, load_profile
+    from ..errors import ConfigError
+
+    if args.base_profile is not None:
+        base = load_profile(args.base_profile)
+    else:
+        dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+        shipped = find_shipped(args.device.split(":")[0], args.model, dtype)
+        if shipped is None:
+            raise ConfigError(
+                f"--from-steps: no shipped profile for {args.model} {dtype} on {args.device}; "
+                "give --base-profile (a profile of kvstrata calibrate on that device)"
+            )
+        base = shipped
+    name = args.name or f"{base.name}-steps"
+    profile, stats = fit_steps(
+        [Path(f) for f in args.from_steps], base, name,
+        command="kvstrata calibrate " + " ".join(sys.argv[2:]),
+    )  # fmt: skip
+    Path(args.out).write_text(json.dumps(profile.to_json(), indent=1) + "\n")
+    print(
+        f"profile {profile.name}: step {profile.step_s * 1e3:.3f} ms + request "
+        f"{profile.request_s * 1e3:.3f} ms + token {profile.token_s * 1e6:.4f} us + pair "
+        f"{profile.pair_s * 1e9:.5f} ns + pair over a prefix "
+        f"{(profile.prefix_pair_s or 0.0) * 1e9:.5f} ns + prefix token "
+        f"{profile.prefix_s * 1e9:.3f} ns; links from {base.name}"
+    )
+    print(
+        f"{stats['steps']} forward steps: {stats['fitted']} fitted, {stats['outliers']} "
+        f"outliers left out, {stats['held_back']} held back; fit error mean {stats['mean']:.1%}, "
+        f"max {stats['max']:.1%}; held back mean {stats['held_back_mean']:.1%}, max "
+        f"{stats['held_back_max']:.1%}"
+    )
+    print(f"profile: {args.out}")
+    if args.json:
+        print(json.dumps(profile.to_json()))
+    return 0
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
@@ -130,6 +191,10 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--out {out}: give a file in an existing directory (where the profile is written)"
         )
+    if args.from_steps is not None:
+        return _run_from_steps(args)
+    if args.base_profile is not None:
+        raise ConfigError("--base-profile goes with --from-steps (the designed fit measures links)")
     cal = calibrate(
         model=args.model,
         device=args.device,

@@ -99,8 +99,12 @@ def as_words(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 if triton is not None:
-    # Triton reads parameter annotations as specialisation hints, so the kernel has none.
-    @triton.jit
+    # Triton reads parameter annotations as specialisation hints, so the kernel has none. It also
+    # compiles a variant per value class (== 1, % 16 == 0, other) of every integer argument:
+    # the item and step counts change with every batch, and each new class cost a compile of
+    # about a second in the middle of a replay (the H200's step log: two 1.9 s steps at its
+    # start), so they are left unspecialised; the strides, offsets and chunk are the layout's.
+    @triton.jit(do_not_specialize=["num_items", "steps"])
     def _copy_pages_kernel(  # type: ignore[no-untyped-def]
         src,
         dst,
