@@ -75,7 +75,7 @@ NOT_CONFIG = {
     "disk": {"disk_command"},
     "disk check": {"dir", "json", "quick"},
     "disk gc": {"dir"},
-    "calibrate": {"out", "json"},
+    "calibrate": {"out", "json", "from_steps", "base_profile"},
 }
 #: A command's own default where it differs from the field on purpose.
 OWN_DEFAULTS = {

@@ -252,7 +252,7 @@ def test_l3_that_cannot_beat_recompute_says_so(tmp_path: Path) -> None:
 def test_pairs_over_a_prefix_have_their_own_term() -> None:
     """A request over a prefix attends in another kernel than a fresh prefill (the paged one on
     CUDA; gather and masked SDPA on the CPU): its pairs cost ``prefix_pair_s``. A profile made
-    before the term (the shipped H200 one) charges them at ``pair_s``, as it always did, and
+    before the term charges them at ``pair_s``, as it always did, and
     says the term is missing."""
     p = profile(overlap="serial", step_s=0.0, request_s=0.0, token_s=0.0, pair_s=1e-9,
                 prefix_pair_s=3e-9)  # fmt: skip
@@ -269,8 +269,8 @@ def test_pairs_over_a_prefix_have_their_own_term() -> None:
     assert CostProfile.from_json(p.to_json()) == p
     with pytest.raises(ConfigError, match="prefix_pair_s must be a finite number"):
         replace(p, prefix_pair_s=-1.0)
-    h200 = shipped_profiles()["h200-llama-3.2-1b-bf16"]
-    assert h200.prefix_pair_s is None and "recalibrate" in h200.describe()
+    h200 = shipped_profiles()["h200-llama-3.2-1b-bf16"]  # recalibrated with the term
+    assert h200.prefix_pair_s is not None and "recalibrate" not in h200.describe()
     assert shipped_profiles()["cpu-2core-tiny-fp32"].prefix_pair_s is not None
     # The simulated clock charges what the engine reports of the step.
     clock = SimClock(p)
@@ -278,10 +278,13 @@ def test_pairs_over_a_prefix_have_their_own_term() -> None:
     assert clock.now() == pytest.approx(7e-3)
 
 
-def test_a_replay_on_the_h200_profile_says_its_term_is_missing() -> None:
+def test_a_replay_on_a_profile_without_the_term_says_it_is_missing(tmp_path: Path) -> None:
+    data = shipped_profiles()["h200-llama-3.2-1b-bf16"].to_json()
+    del data["prefix_pair_s"]  # a profile calibrated before the term existed
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
     summary = run_replay(
-        cfg(cost_profile="h200-llama-3.2-1b-bf16", model_shape="llama-3.2-1b", clock="sim"),
-        progress=False,
+        cfg(cost_profile=str(old), model_shape="llama-3.2-1b", clock="sim"), progress=False
     )
     assert "MISSING prefix_pair_s" in summary.table()
     assert summary.to_json()["clock"]["cost"]["prefix_pair_s"] is None

@@ -7,8 +7,9 @@ each backing its chunk up to L2 as it goes), and its step log (``kvstrata bench
 planner-accuracy --steps-out DIR``) records each one's composition and measured seconds. This
 fits the same terms (per step, request, token, pair, pair over a prefix, prefix token) to those
 steps, by the same least squares on relative error, on every forward step that loaded nothing
-back; a step's backups stay in the compute terms, as the replay paid them. The link rates come
-from a base profile (the designed one). Every fifth step is held back and predicted, as the
+back; a step's backups stay in the compute terms, as the replay paid them. The link rates, and
+the pair term of requests without a prefix (a replay hardly has any), come from a base profile
+(the designed one). Every fifth step is held back and predicted, as the
 design's held-back set is.
 
 Steps far slower than the first fit predicts (over ``OUTLIER`` x: a kernel compiled for a new
@@ -50,6 +51,22 @@ def _with_terms(profile: CostProfile, terms: tuple[float, ...]) -> CostProfile:
     )  # fmt: skip
 
 
+def _fit(
+    base: CostProfile, works: list[StepWork], seconds: list[float], index: list[int]
+) -> CostProfile:
+    """The terms fitted on the steps ``index``, with the pair term of requests without a prefix
+    held at ``base``'s: in a replay only a request's first chunk has none, so the log hardly
+    sees the term (the H200's conversation logs fitted it at 7x the designed fresh prefills'),
+    and a trace of long fresh prompts would pay for that guess."""
+    fresh = [works[i].attention_pairs - works[i].prefix_pairs for i in index]
+    # Without the fresh pairs their column is zero and its term comes out 0, replaced below.
+    rest = [replace(works[i], attention_pairs=works[i].prefix_pairs) for i in index]
+    y = [seconds[i] - base.pair_s * f for i, f in zip(index, fresh, strict=True)]
+    terms = list(fit_compute(rest, y))
+    terms[3] = base.pair_s
+    return _with_terms(base, tuple(terms))
+
+
 def fit_steps(
     paths: list[Path], base: CostProfile, name: str, command: str = ""
 ) -> tuple[CostProfile, dict[str, float]]:
@@ -75,9 +92,9 @@ def fit_steps(
         )
     fit = [i for i in range(len(works)) if i % HOLD_BACK]
     held = [i for i in range(len(works)) if not i % HOLD_BACK]
-    first = _with_terms(base, fit_compute([works[i] for i in fit], [seconds[i] for i in fit]))
+    first = _fit(base, works, seconds, fit)
     kept = [i for i in fit if seconds[i] <= OUTLIER * _seconds(first, works[i])]
-    profile = _with_terms(base, fit_compute([works[i] for i in kept], [seconds[i] for i in kept]))
+    profile = _fit(base, works, seconds, kept)
 
     def errors(index: list[int]) -> list[float]:
         return [abs(_seconds(profile, works[i]) - seconds[i]) / seconds[i] for i in index]
