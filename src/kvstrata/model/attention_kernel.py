@@ -124,7 +124,14 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
 
-    @triton.jit
+    # The per-request index arrays are slices of the step's metadata at any offset: Triton
+    # would compile a variant per 16-byte alignment class of each (a second of compile in the
+    # middle of a replay, seen in the H200's step logs), so their alignment is not specialised.
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "requests", "cu_seqlens", "prefix_lens", "page_table", "table_starts",
+        ]
+    )  # fmt: skip
     def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
         Q, K, V, Out, Lse, requests, cu_seqlens, prefix_lens, page_table, table_starts,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kslot, stride_kpos, stride_kh,

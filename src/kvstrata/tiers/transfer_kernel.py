@@ -104,7 +104,11 @@ if triton is not None:
     # the item and step counts change with every batch, and each new class cost a compile of
     # about a second in the middle of a replay (the H200's step log: two 1.9 s steps at its
     # start), so they are left unspecialised; the strides, offsets and chunk are the layout's.
-    @triton.jit(do_not_specialize=["num_items", "steps"])
+    # The slot lists are often slices at any offset, so their alignment is not specialised either.
+    @triton.jit(
+        do_not_specialize=["num_items", "steps"],
+        do_not_specialize_on_alignment=["src_slots", "dst_slots"],
+    )
     def _copy_pages_kernel(  # type: ignore[no-untyped-def]
         src,
         dst,
