@@ -234,6 +234,8 @@ def _fit_rate(
 
 
 def predict(profile: CostProfile, work: StepWork) -> float:
+    """What ``profile`` charges a step that did ``work`` (compute and links; a wait for the disk
+    depends on the steps before, and is not included)."""
     return profile.step(
         work.requests,
         work.computed_tokens,

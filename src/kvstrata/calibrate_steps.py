@@ -24,9 +24,9 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from .calibrate import fit_compute
+from .calibrate import fit_compute, predict
 from .clock import StepWork
-from .cost import CostProfile, Provenance
+from .cost import CostProfile
 from .errors import ConfigError
 from .replay.steps import read_steps
 
@@ -34,13 +34,6 @@ from .replay.steps import read_steps
 OUTLIER = 5.0
 #: Every HOLD_BACK-th step is predicted, not fitted.
 HOLD_BACK = 5
-
-
-def _seconds(profile: CostProfile, w: StepWork) -> float:
-    return profile.step(
-        w.requests, w.computed_tokens, w.attention_pairs, w.h2d_bytes, w.d2h_bytes,
-        w.prefix_tokens, w.prefix_pairs,
-    )[0]  # fmt: skip
 
 
 def _with_terms(profile: CostProfile, terms: tuple[float, ...]) -> CostProfile:
@@ -93,11 +86,11 @@ def fit_steps(
     fit = [i for i in range(len(works)) if i % HOLD_BACK]
     held = [i for i in range(len(works)) if not i % HOLD_BACK]
     first = _fit(base, works, seconds, fit)
-    kept = [i for i in fit if seconds[i] <= OUTLIER * _seconds(first, works[i])]
+    kept = [i for i in fit if seconds[i] <= OUTLIER * predict(first, works[i])]
     profile = _fit(base, works, seconds, kept)
 
     def errors(index: list[int]) -> list[float]:
-        return [abs(_seconds(profile, works[i]) - seconds[i]) / seconds[i] for i in index]
+        return [abs(predict(profile, works[i]) - seconds[i]) / seconds[i] for i in index]
 
     fitted, held_err = errors(kept), errors(held)
     stats = {
@@ -110,14 +103,8 @@ def fit_steps(
         "held_back_mean": round(statistics.fmean(held_err), 4),
         "held_back_max": round(max(held_err), 4),
     }
-    b = base.provenance
-    provenance = Provenance(
-        device=b.device,
-        device_kind=b.device_kind,
-        model=b.model,
-        dtype=b.dtype,
-        page_size=b.page_size,
-        versions=b.versions,
+    provenance = replace(
+        base.provenance,
         date=datetime.now().isoformat(timespec="seconds"),
         fit_error={k: stats[k] for k in ("mean", "max", "held_back_mean", "held_back_max")},
         steps=len(kept),

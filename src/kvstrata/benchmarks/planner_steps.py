@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from ..calibrate import predict
 from ..cost import CostProfile
 from ..replay.steps import STEP_KINDS, StepLog, StepRecord
 
@@ -28,16 +29,7 @@ GAPS_LISTED = 3
 def profile_seconds(profile: CostProfile, record: StepRecord) -> float:
     """What ``profile`` charges a step of ``record``'s composition (compute and links; a wait
     for the disk depends on the steps before, and is not included)."""
-    w = record.work()
-    return profile.step(
-        w.requests,
-        w.computed_tokens,
-        w.attention_pairs,
-        w.h2d_bytes,
-        w.d2h_bytes,
-        w.prefix_tokens,
-        w.prefix_pairs,
-    )[0]
+    return predict(profile, record.work())
 
 
 def summarize_steps(log: StepLog, profile: CostProfile) -> dict[str, Any]:
