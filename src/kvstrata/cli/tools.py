@@ -12,6 +12,7 @@ from typing import Any
 from ..calibrate import calibrate
 from ..check_model import check_model
 from ..command import EXIT_FAILED, EXIT_OK, HelpFormatter
+from ..cost import CostProfile
 
 #: ``kvstrata bench NAME`` runs ``run_main`` of ``kvstrata.benchmarks`` module
 #: :func:`bench_module` ``(NAME)``: NAME itself, with its hyphens dropped (``multi-gpu``).
@@ -136,7 +137,6 @@ def calibrate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_from_steps(args: argparse.Namespace) -> int:
-    import json
     import sys
     from pathlib import Path
 
@@ -160,24 +160,31 @@ def _run_from_steps(args: argparse.Namespace) -> int:
         [Path(f) for f in args.from_steps], base, name,
         command="kvstrata calibrate " + " ".join(sys.argv[2:]),
     )  # fmt: skip
-    Path(args.out).write_text(json.dumps(profile.to_json(), indent=1) + "\n")
-    print(
-        f"profile {profile.name}: step {profile.step_s * 1e3:.3f} ms + request "
-        f"{profile.request_s * 1e3:.3f} ms + token {profile.token_s * 1e6:.4f} us + pair "
-        f"{profile.pair_s * 1e9:.5f} ns + pair over a prefix "
-        f"{(profile.prefix_pair_s or 0.0) * 1e9:.5f} ns + prefix token "
-        f"{profile.prefix_s * 1e9:.3f} ns; links from {base.name}"
-    )
+    print(f"{_terms(profile)}; links from {base.name}")
     print(
         f"{stats['steps']} forward steps: {stats['fitted']} fitted, {stats['outliers']} "
         f"outliers left out, {stats['held_back']} held back; fit error mean {stats['mean']:.1%}, "
         f"max {stats['max']:.1%}; held back mean {stats['held_back_mean']:.1%}, max "
         f"{stats['held_back_max']:.1%}"
     )
-    print(f"profile: {args.out}")
-    if args.json:
-        print(json.dumps(profile.to_json()))
-    return 0
+    return _save(profile, args.out, args.json)
+
+
+def _terms(p: CostProfile) -> str:
+    """A profile's compute terms, one line (what both ways of calibrating print)."""
+    return (
+        f"profile {p.name}: step {p.step_s * 1e3:.3f} ms + request {p.request_s * 1e3:.3f} ms + "
+        f"token {p.token_s * 1e6:.4f} us + pair {p.pair_s * 1e9:.5f} ns + pair over a prefix "
+        f"{(p.prefix_pair_s or 0.0) * 1e9:.5f} ns + prefix token {p.prefix_s * 1e9:.3f} ns"
+    )
+
+
+def _save(p: CostProfile, out: str, as_json: bool) -> int:
+    """Write the profile, say where, and print it as JSON last when asked."""
+    print(f"profile: {p.save(out)}")
+    if as_json:
+        print(json.dumps(p.to_json()))
+    return EXIT_OK
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
@@ -213,22 +220,12 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     print(cal.table())
     p = cal.profile
     err = p.provenance.fit_error
-    print(
-        f"profile {p.name}: step {p.step_s * 1e3:.3f} ms + request {p.request_s * 1e3:.3f} ms + "
-        f"token {p.token_s * 1e6:.4f} us + pair {p.pair_s * 1e9:.5f} ns + pair over a prefix "
-        f"{(p.prefix_pair_s or 0.0) * 1e9:.5f} ns + prefix token "
-        f"{p.prefix_s * 1e9:.3f} ns; h2d {p.h2d_gbps:g} / "
-        f"d2h {p.d2h_gbps:g} GB/s ({p.overlap})"
-    )
+    print(f"{_terms(p)}; h2d {p.h2d_gbps:g} / d2h {p.d2h_gbps:g} GB/s ({p.overlap})")
     print(
         f"fit error: mean {err['mean']:.1%}, max {err['max']:.1%}; held-back steps: mean "
         f"{err['held_back_mean']:.1%}, max {err['held_back_max']:.1%}"
     )
-    path = p.save(args.out)
-    print(f"profile: {path}")
-    if args.json:
-        print(json.dumps(p.to_json()))
-    return EXIT_OK
+    return _save(p, args.out, args.json)
 
 
 def bench_module(name: str) -> str:
