@@ -12,45 +12,34 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
-from kvstrata.benchmarks.planneraccuracy import FIGURES, Window, _error, _get, configs
-from kvstrata.engine import EngineConfig
+from kvstrata.benchmarks.planneraccuracy import FIGURES, Window, _error, _get, build_parser, configs
+from kvstrata.model.loader import read_model_config
 from kvstrata.replay import run_replay
 
-prof, trace, win, measured_file = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+prof, trace, win, measured_file = sys.argv[1:5]
 doc = json.loads(
     [ln for ln in Path(measured_file).read_text().splitlines() if ln.startswith("{")][-1]
 )
-d = EngineConfig()
-args = SimpleNamespace(
-    model="llama-3.2-1b",
-    dtype="bfloat16",
-    device="cpu",
-    page_size=16,
-    l1_tokens=262144,
-    l2_tokens=1048576,
-    chunk_size=d.chunk_size,
-    max_batch_tokens=d.max_batch_tokens,
-    max_batch_requests=d.max_batch_requests,
-    attention="auto",
-    seed=0,
-    on_error="skip",
-    cost_profile=prof,
-)
+# The benchmark's own flags and defaults; the device is this machine's (the predicted replay
+# never touches it).
+args = build_parser().parse_args(
+    ["--device", "cpu", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--l1-tokens", "262144",
+     "--l2-tokens", "1048576", "--on-error", "skip", "--cost-profile", prof]
+)  # fmt: skip
+limit = min(args.l1_tokens, read_model_config(args.model).max_position_embeddings)
 with tempfile.TemporaryDirectory() as tmp:
-    path, left = Window.parse(win).write(Path(trace), Path(tmp), 131072)
+    path, _ = Window.parse(win).write(Path(trace), Path(tmp), limit)
     for res in doc["results"]:
-        sc = res["time_scale"]
-        _, pc = configs(args, str(path), sc)
-        r = run_replay(pc, progress=False).to_json()
-        print(f"scale {sc:g}  profile {prof}")
-        for row, (label, p, how) in zip(res["rows"], FIGURES, strict=True):
-            m = row["measured"]
-            pv = _get(r, p)
-            e = _error(m, pv, how)
+        scale = res["time_scale"]
+        _, predicted_cfg = configs(args, str(path), scale)
+        predicted = run_replay(predicted_cfg, progress=False).to_json()
+        print(f"scale {scale:g}  profile {prof}")
+        for row, (label, figure, how) in zip(res["rows"], FIGURES, strict=True):
+            m, p = row["measured"], _get(predicted, figure)
+            e = _error(m, p, how)
             print(
-                f"  {label:<18} {m:>12,.1f} {pv:>12,.1f} {e:+8.1%}"
+                f"  {label:<18} {m:>12,.1f} {p:>12,.1f} {e:+8.1%}"
                 if how == "rel"
-                else f"  {label:<18} {m:>12.4f} {pv:>12.4f} {e:+.4f}"
+                else f"  {label:<18} {m:>12.4f} {p:>12.4f} {e:+.4f}"
             )
