@@ -291,3 +291,36 @@ def test_forward_never_syncs_the_host_per_layer(monkeypatch: pytest.MonkeyPatch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(logits.float()).all()
+
+
+@pytest.mark.gpu
+@gpu
+def test_fresh_requests_never_take_cudnn_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's SDPA builds a graph per new sequence length (~40 ms each on an H200), so a
+    replay's fresh requests, each of its own length, must reach flash (bf16) or math (fp32 with
+    GQA) instead: every SDPA call from sdpa_causal on CUDA runs with cuDNN's backend off, and
+    the result still equals the CPU's."""
+    import torch.nn.functional as F
+
+    from kvstrata.model import attention
+
+    seen: list[bool] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if q.is_cuda:
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(q, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    for dtype in (torch.bfloat16, torch.float32):
+        for length in (13, 22, 353):
+            q = torch.randn(length, 8, 64, device=CUDA, dtype=dtype)
+            k, v = torch.randn(2, length + 5, 2, 64, device=CUDA, dtype=dtype)
+            for keys in (length, length + 5):  # fresh, and over a 5-token prefix
+                got = attention.sdpa_causal(q, k[:keys], v[:keys])
+                want = attention.sdpa_causal(*(t.cpu().float() for t in (q, k[:keys], v[:keys])))
+                tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+                assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    assert len(seen) == 12 and not any(seen), seen
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the caller's setting is left as it was

@@ -11,7 +11,8 @@ Backends (``--attention``):
 * ``triton`` (CUDA): every request with a cached prefix is attended by
   :mod:`kvstrata.model.attention_kernel`, which reads each key from its page in place (one launch per
   layer for all of them, no gather, no host sync). A request without a cached prefix attends to the
-  K/V it has just computed, contiguous already, with SDPA's flash kernel, which is faster there
+  K/V it has just computed, contiguous already, with SDPA's flash kernel (never cuDNN's, which
+  builds a graph per sequence length: see :func:`sdpa_causal`), which is faster there
   (H200, llama-3.2-1b shapes: 420-444 TFLOP/s against the paged kernel's 329-343; with a cached
   prefix the paged kernel is ahead, 336-343 against flash's 288-309 on gathered K/V; see
   ``kvstrata bench attention``). With ``lse`` the kernel attends every request and also returns
@@ -41,6 +42,7 @@ from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import ConfigError
@@ -264,6 +266,29 @@ def sdpa_causal(
     num_queries, num_keys = q.shape[0], k.shape[0]
     gqa = q.shape[1] != k.shape[1]
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if not q.is_cuda:
+        return _sdpa(q, k, v, num_queries, num_keys, gqa, scale)
+    # Never cuDNN's attention (torch's first choice on Hopper): it builds a graph for every new
+    # sequence length, 39-61 ms each (390 ms at 2,048) on the H200, where flash has no per-shape
+    # cost and runs 0.04-0.13 ms; a replay's fresh requests each have a length of their own.
+    with sdpa_kernel(CUDA_SDPA_BACKENDS):
+        return _sdpa(q, k, v, num_queries, num_keys, gqa, scale)
+
+
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The SDPA kernels :func:`sdpa_causal` lets torch pick from on CUDA, in torch's order: flash
+where the dtype and head size allow, then memory-efficient, then math (fp32 with GQA)."""
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_queries: int,
+    num_keys: int,
+    gqa: bool,
+    scale: float | None,
+) -> torch.Tensor:
     if num_queries == num_keys:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     else:
