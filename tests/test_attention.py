@@ -295,7 +295,7 @@ def test_forward_never_syncs_the_host_per_layer(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.gpu
 @gpu
-def test_fresh_requests_never_take_cudnn_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fresh_requests_on_cuda_never_take_cudnn_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     """cuDNN's SDPA builds a graph per new sequence length (~40 ms each on an H200), so a
     replay's fresh requests, each of its own length, must reach flash (bf16) or math (fp32 with
     GQA) instead: every SDPA call from sdpa_causal on CUDA runs with cuDNN's backend off, and
