@@ -289,3 +289,50 @@ def test_max_tokens_refuses_longer_lines_before_expanding(tmp_path: Path) -> Non
     w = load_workload(str(path), on_error="skip", max_tokens=2 * BLOCK)
     assert len(list(w)) == 2 and [s.line_no for s in w.skipped] == [2]
     assert len(list(load_mooncake(path, max_tokens=3 * BLOCK))) == 3
+
+
+def test_block_seeding_is_numpys_own_bit_for_bit() -> None:
+    """blocks.py seeds PCG64 itself (SeedSequence's hashing vectorised, PCG64's two seeding
+    steps in Python's integers): for ids across the 32-bit range its state and outputs are
+    numpy's, and ids past 32 bits (numpy's own seeding) expand the same as well."""
+    from kvstrata.workloads.blocks import BlockExpander, pcg64_state, seed_words
+
+    rng = np.random.default_rng(3)
+    ids = np.concatenate([np.arange(40), rng.integers(0, 2**32, 300), [2**31, 2**32 - 1]])
+    words = seed_words(ids.astype(np.uint32))
+    gen = np.random.PCG64(0)
+    for row, h in zip(words, ids.tolist(), strict=True):
+        assert row.tolist() == np.random.SeedSequence(h).generate_state(4, np.uint64).tolist()
+        gen.state = pcg64_state(row)
+        assert gen.state == np.random.PCG64(h).state
+    # A request's blocks, new ones and cached ones, past 32 bits or not, a cache smaller than
+    # one call's blocks: every token is the high 32 bits of PCG64(h)'s outputs, mod the vocab.
+    requests = [[7, 2**40, 7, 3], [3, 9, 2**33 + 1], [11, 12, 13, 14, 15], [7, 12]]
+    lengths = [4 * 16 - 5, 3 * 16, 5 * 16, 17]
+    for max_blocks in (2, 4096):
+        expander = BlockExpander(1000, 16, max_blocks)
+        got = expander.expand_many(list(zip(requests, lengths, strict=True)))
+        got += [expander.expand(ids, n) for ids, n in zip(requests, lengths, strict=True)]
+        for tokens, ids_, n in zip(got, requests * 2, lengths * 2, strict=True):
+            want = np.concatenate(
+                [(np.random.PCG64(h).random_raw(16) >> np.uint64(32)) % 1000 for h in ids_]
+            )[:n]
+            assert tokens.tolist() == want.tolist()
+        assert len(expander._blocks) <= max_blocks
+
+
+def test_a_bad_line_stops_where_it_stands_despite_the_lookahead(tmp_path: Path) -> None:
+    """Lines are parsed LOOKAHEAD_LINES at a time, but a bad line still raises only once the
+    requests before it were handed out (and with skip, the rest still come)."""
+    from kvstrata.workloads import LOOKAHEAD_LINES
+
+    lines = [line(4, [i]) for i in range(LOOKAHEAD_LINES + 5)]
+    lines[3] = '{"timestamp": 1, "input_length": 4}'
+    path = write_trace(tmp_path / "bad.jsonl", lines)
+    got = []
+    with pytest.raises(WorkloadError, match=r"bad\.jsonl:4: missing field hash_ids"):
+        for request in load_mooncake(path):
+            got.append(request.rid)
+    assert got == [0, 1, 2]
+    skipped = load_mooncake(path, on_error="skip")
+    assert len(list(skipped)) == LOOKAHEAD_LINES + 4 and skipped.num_skipped == 1

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ import numpy.typing as npt
 from ..errors import ConfigError, InvalidTokensError, WorkloadError
 from . import agentic as _agentic
 from . import shared_synthetic as _synthetic
+from .blocks import BlockExpander, raw_to_tokens
 
 TokenArray = npt.NDArray[np.uint32]
 
@@ -56,6 +56,8 @@ ON_ERROR = ("stop", "skip")
 MAX_SKIPPED_KEPT = 100
 #: Expanded Mooncake blocks kept for reuse, least recently used out first (8 MiB at 512 tokens).
 BLOCK_CACHE_BLOCKS = 4096
+#: Trace lines parsed, and their new blocks seeded, at a time (see :mod:`.blocks`).
+LOOKAHEAD_LINES = 32
 _TRACE_FIELDS = ("timestamp", "input_length", "hash_ids")
 
 # The built-in workload's shape; see builtin().
@@ -158,39 +160,6 @@ def _check_load_args(limit: int | None, vocab_size: int, on_error: str) -> None:
         raise ConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
 
 
-def _raw_to_tokens(raw: npt.NDArray[np.uint64], vocab_size: int) -> TokenArray:
-    """Map raw PCG64 outputs to token ids: their high 32 bits, reduced modulo the vocabulary."""
-    return ((raw >> np.uint64(32)) % np.uint64(vocab_size)).astype(np.uint32)
-
-
-class _BlockExpander:
-    """Expands trace hash ids into tokens, keeping the ``max_blocks`` blocks used most recently
-    (ids repeat heavily in traces; a block dropped is simply generated again, identically)."""
-
-    def __init__(self, vocab_size: int, block_tokens: int, max_blocks: int) -> None:
-        self.vocab_size = vocab_size
-        self.block_tokens = block_tokens
-        self.max_blocks = max_blocks
-        self._blocks: OrderedDict[int, TokenArray] = OrderedDict()
-
-    def block(self, hash_id: int) -> TokenArray:
-        tokens = self._blocks.get(hash_id)
-        if tokens is not None:
-            self._blocks.move_to_end(hash_id)
-            return tokens
-        raw = np.random.PCG64(hash_id).random_raw(self.block_tokens)
-        tokens = self._blocks[hash_id] = _raw_to_tokens(raw, self.vocab_size)
-        if len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
-        return tokens
-
-    def expand(self, hash_ids: list[int], input_length: int) -> TokenArray:
-        num_blocks = -(-input_length // self.block_tokens)
-        blocks = [self.block(h) for h in hash_ids[:num_blocks]]
-        blocks[-1] = blocks[-1][: input_length - (num_blocks - 1) * self.block_tokens]
-        return np.concatenate(blocks)
-
-
 class _BadLine(Exception):
     """A trace line is malformed; the message says what is wrong (without file and line)."""
 
@@ -267,21 +236,29 @@ def load_mooncake(
     _open_trace(path).close()
 
     def read(skip: Callable[[SkippedLine], None]) -> Iterator[Request]:
-        expander = _BlockExpander(vocab_size, block_tokens, block_cache_blocks)
+        expander = BlockExpander(vocab_size, block_tokens, block_cache_blocks)
         with _open_trace(path) as file:
             rid = 0
-            for line_no, line in enumerate(file, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    timestamp, input_length, hash_ids = _parse_line(line, block_tokens, max_tokens)
-                except _BadLine as e:
-                    if on_error == "stop":
-                        raise WorkloadError(f"{path}:{line_no}: {e}") from None
-                    skip(SkippedLine(line_no, str(e)))
-                    continue
-                yield Request(rid, expander.expand(hash_ids, input_length), timestamp)
-                rid += 1
+            numbered = ((n, line) for n, line in enumerate(file, start=1) if line.strip())
+            # Lines are parsed and their new blocks seeded LOOKAHEAD_LINES at a time, then handed
+            # out one by one in order: a bad line still stops (or is skipped) where it stands.
+            while batch := list(itertools.islice(numbered, LOOKAHEAD_LINES)):
+                parsed: list[tuple[int, int, list[int]] | _BadLine] = []
+                for _, line in batch:
+                    try:
+                        parsed.append(_parse_line(line, block_tokens, max_tokens))
+                    except _BadLine as e:
+                        parsed.append(e)
+                good = [(p[2], p[1]) for p in parsed if not isinstance(p, _BadLine)]
+                tokens = iter(expander.expand_many(good))
+                for (line_no, _), p in zip(batch, parsed, strict=True):
+                    if isinstance(p, _BadLine):
+                        if on_error == "stop":
+                            raise WorkloadError(f"{path}:{line_no}: {p}") from None
+                        skip(SkippedLine(line_no, str(p)))
+                        continue
+                    yield Request(rid, next(tokens), p[0])
+                    rid += 1
 
     return Workload(str(path), read, limit=limit)
 
@@ -356,7 +333,7 @@ def builtin(vocab_size: int, *, seed: int = 0, n_requests: int = BUILTIN_REQUEST
         return lo + int(bits.random_raw()) % (hi - lo + 1)
 
     def fresh(num_tokens: int) -> TokenArray:
-        return _raw_to_tokens(bits.random_raw(num_tokens), vocab_size)
+        return raw_to_tokens(bits.random_raw(num_tokens), vocab_size)
 
     prompts = [fresh(n) for n in _BUILTIN_PROMPT_TOKENS]
 
