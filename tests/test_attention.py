@@ -320,7 +320,7 @@ def test_fresh_requests_on_cuda_never_take_cudnn_attention(monkeypatch: pytest.M
             for keys in (length, length + 5):  # fresh, and over a 5-token prefix
                 got = attention.sdpa_causal(q, k[:keys], v[:keys])
                 want = attention.sdpa_causal(*(t.cpu().float() for t in (q, k[:keys], v[:keys])))
-                tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
-                assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+                tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+                assert torch.allclose(got.float().cpu(), want, atol=tol, rtol=tol)
     assert len(seen) == 12 and not any(seen), seen
     assert torch.backends.cuda.cudnn_sdp_enabled()  # the caller's setting is left as it was
