@@ -137,8 +137,10 @@ def test_a_dead_or_paused_redis_is_a_quick_counted_miss(
         else:
             redis_server.kill()
         try:
-            found, took = _quick(b.batch_exists, keys)
-            assert found == 0 and took < 2 * TIMEOUT_MS / 1e3 + 0.5, took
+            # Paused: the read meets the store first (its GETs time out); killed: the query.
+            if fault == "killed":
+                found, took = _quick(b.batch_exists, keys)
+                assert found == 0 and took < 2 * TIMEOUT_MS / 1e3 + 0.5, took
             host_pages = pool_b.alloc(len(keys) * PAGE)
             before = pool_b.get_data_page(int(host_pages[0])).view(torch.uint8).clone()
             ok, took = _quick(b.batch_get_v1, keys, host_pages)
@@ -146,6 +148,8 @@ def test_a_dead_or_paused_redis_is_a_quick_counted_miss(
             page = pool_b.get_data_page(int(host_pages[0])).view(torch.uint8)
             assert torch.equal(page, before)  # nothing was copied into SGLang's page
             pool_b.free(host_pages)
+            found, took = _quick(b.batch_exists, keys)
+            assert found == 0 and took < 2 * TIMEOUT_MS / 1e3 + 0.5, took
             s = stats(b)
             assert s["remote_timeouts"] + s["remote_connection_errors"] >= 1, s
             assert s["remote_breaker_opens"] == 1 and s["get_remote_hits"] == 0
