@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 import torch
-from redis_rig import RedisServer
+from redis_rig import RedisCluster, RedisServer
 from sglang_rig import PAGE, attach, backup, expected, mha_pool, prefetch, same, storage_config
 
 from kvstrata.cli import main
@@ -234,3 +234,17 @@ def test_remote_keys_are_checked_before_any_io(tmp_path: Path) -> None:
     assert remote.password == "s3cret" and "s3cret" not in repr(settings)
     assert remote.budget_bytes == 2 << 30 and remote.timeout_s == 0.5
     assert BackendSettings.from_extra_config(base).remote is None
+
+
+def test_a_redis_cluster_serves_the_same(tmp_path: Path, redis_cluster: RedisCluster) -> None:
+    redis_cluster.flush()
+    keys = KEYS[:30]
+    a, pool_a = host(tmp_path / "a", redis_cluster.url)
+    b, pool_b = host(tmp_path / "b", redis_cluster.url)
+    assert all(backup(a, pool_a, keys, "a"))
+    published(a)
+    hit, got = prefetch(b, pool_b, keys)
+    assert hit == len(keys) and same(got, expected(pool_b, keys, "a"))
+    assert stats(b)["get_remote_hits"] == len(keys)
+    a.close()
+    b.close()
