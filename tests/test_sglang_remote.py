@@ -233,6 +233,7 @@ def test_remote_keys_are_checked_before_any_io(tmp_path: Path) -> None:
     assert remote is not None and remote.address.db == 2 and remote.min_hits == 2
     assert remote.password == "s3cret" and "s3cret" not in repr(settings)
     assert remote.budget_bytes == 2 << 30 and remote.timeout_s == 0.5
+    assert remote.tune_malloc is False  # SGLang's process keeps its own allocator settings
     assert BackendSettings.from_extra_config(base).remote is None
 
 

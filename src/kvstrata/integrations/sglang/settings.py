@@ -133,6 +133,9 @@ def _remote(extra: dict[str, Any], environ: Mapping[str, str]) -> tuple[RemoteCo
         timeout_s=timeout_ms / 1e3,
         min_hits=min_hits,
         password=password_from_env(environ),
+        # SGLang's process owns its allocator: no mallopt there (values land in reused buffers,
+        # so it no longer changes the fetch rate: RemoteConfig.tune_malloc).
+        tune_malloc=False,
     )
     return config, staging
 
