@@ -15,9 +15,11 @@ COUNTERS = (
     "exists_calls",
     "exists_pages",  # keys asked about
     "exists_hits",  # keys found (the leading run)
+    "exists_remote",  # keys of that run found in the shared tier, not on disk
     "get_calls",
     "get_pages",  # pages asked for
     "get_hits",  # pages read, verified and copied into host memory
+    "get_remote_hits",  # those of them read from the shared tier (the rest: from disk)
     "set_calls",
     "set_pages",  # pages offered for backup
     "set_durable",  # pages durable on disk when the call returned (written now or before)

@@ -13,16 +13,25 @@ default here, keeps what an earlier run wrote, verified; ``clear`` starts empty)
 ``read_threads``, ``write_threads``, ``io_mode``, ``staging_mib``, ``io_timeout_s``,
 ``high_watermark``, ``low_watermark``. A key that is neither SGLang's nor one of these is refused,
 so a typo cannot silently fall back to a default.
+
+The shared Redis tier behind the disk (``shared.SharedPages``) takes ``remote``
+(``redis://HOST:PORT[/DB]`` or ``redis+cluster://HOST:PORT[,HOST:PORT...]``; a password in the URL
+or in ``REDIS_PASSWORD`` / ``REDISCLI_AUTH``) with ``remote_gib`` (this rank's share of the
+store, required with it), and optionally ``remote_timeout_ms`` (socket timeout of every round
+trip, 500), ``remote_min_hits`` (publish a page only on its N-th backup, 1) and
+``remote_staging_mib`` (host memory a rank copies durable pages into for publishing, 1024).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
 from ...tiers.disk_config import DiskConfig
+from ...tiers.remote.config import RemoteConfig, password_from_env
 
 #: Keys SGLang itself reads from the same dict (the dynamic loader, the controller).
 SGLANG_KEYS = frozenset(
@@ -39,19 +48,33 @@ _DISK_KEYS: dict[str, type] = {
     "high_watermark": float,
     "low_watermark": float,
 }
-OWN_KEYS = frozenset({"dir", "budget_gib", "budget_bytes", "staging_mib", *_DISK_KEYS})
+#: The shared tier's keys (``remote`` turns it on; the others need it).
+REMOTE_KEYS = frozenset(
+    {"remote", "remote_gib", "remote_timeout_ms", "remote_min_hits", "remote_staging_mib"}
+)
+OWN_KEYS = frozenset(
+    {"dir", "budget_gib", "budget_bytes", "staging_mib", *_DISK_KEYS, *REMOTE_KEYS}
+)
+#: Host memory a rank stages durable pages in for publishing, unless ``remote_staging_mib``.
+DEFAULT_REMOTE_STAGING_MIB = 1024.0
 
 
 @dataclass(frozen=True)
 class BackendSettings:
-    """The backend's configuration: the disk tier's, and which SGLang interface it serves."""
+    """The backend's configuration: the disk tier's, which SGLang interface it serves, and the
+    shared tier behind the disk (None: none) with the bytes of its publish staging."""
 
     disk: DiskConfig
     interface_v1: bool
+    remote: RemoteConfig | None = None
+    remote_staging_bytes: int = 0
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> BackendSettings:
-        """Parse SGLang's extra config dict; raises ``ConfigError`` naming the key to change."""
+    def from_extra_config(
+        cls, extra: dict[str, Any] | None, environ: Mapping[str, str] | None = None
+    ) -> BackendSettings:
+        """Parse SGLang's extra config dict (``environ``: where a Redis password the URL lacks
+        comes from); raises ``ConfigError`` naming the key to change."""
         extra = dict(extra or {})
         unknown = sorted(set(extra) - SGLANG_KEYS - OWN_KEYS)
         if unknown:
@@ -72,7 +95,49 @@ class BackendSettings:
         if "staging_mib" in extra:
             kw["staging_bytes"] = int(_typed("staging_mib", extra["staging_mib"], float) * 2**20)
         disk = DiskConfig(Path(str(extra["dir"])), budget, **kw)
-        return cls(disk, bool(extra.get("interface_v1", 0)))
+        remote, staging = _remote(extra, environ or {})
+        return cls(disk, bool(extra.get("interface_v1", 0)), remote, staging)
+
+
+def _remote(extra: dict[str, Any], environ: Mapping[str, str]) -> tuple[RemoteConfig | None, int]:
+    """The shared tier's configuration and staging bytes (None, 0 without ``remote``)."""
+    if "remote" not in extra:
+        stray = sorted(REMOTE_KEYS & set(extra))
+        if stray:
+            raise ConfigError(
+                f"kvstrata storage backend: {stray} configure the shared tier, which needs "
+                '"remote": "redis://HOST:PORT[/DB]"'
+            )
+        return None, 0
+    url = _typed("remote", extra["remote"], str)
+    if "remote_gib" not in extra:
+        raise ConfigError(
+            'kvstrata storage backend: "remote" needs "remote_gib", this rank\'s share of the '
+            'store in GiB (for example "remote_gib": 64)'
+        )
+    gib = float(_typed("remote_gib", extra["remote_gib"], float))
+    timeout_ms = float(_typed("remote_timeout_ms", extra.get("remote_timeout_ms", 500.0), float))
+    min_hits = int(_typed("remote_min_hits", extra.get("remote_min_hits", 1), int))
+    mib = extra.get("remote_staging_mib", DEFAULT_REMOTE_STAGING_MIB)
+    staging = int(float(_typed("remote_staging_mib", mib, float)) * 2**20)
+    for key, value, ok in (
+        ("remote_gib", gib, 0 < gib <= 2**20),
+        ("remote_timeout_ms", timeout_ms, 0 < timeout_ms <= 3_600_000),
+        ("remote_staging_mib", mib, staging > 0),
+    ):
+        if not ok:
+            raise ConfigError(f'kvstrata storage backend: "{key}" out of range: {value!r}')
+    config = RemoteConfig(
+        url,
+        budget_bytes=int(gib * 2**30),
+        timeout_s=timeout_ms / 1e3,
+        min_hits=min_hits,
+        password=password_from_env(environ),
+        # SGLang's process owns its allocator: no mallopt there (values land in reused buffers,
+        # so it no longer changes the fetch rate: RemoteConfig.tune_malloc).
+        tune_malloc=False,
+    )
+    return config, staging
 
 
 def _budget_bytes(extra: dict[str, Any]) -> int:

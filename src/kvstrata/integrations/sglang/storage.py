@@ -17,6 +17,13 @@ MLA pools hold the same latent on every TP rank and SGLang lets only one of them
 others serve reads from that rank's store through a read-only view (``disk_view.DiskView``).
 The older ``get``/``set``/``batch_get``/``batch_set``/``exists`` (SGLang without
 ``interface_v1``) move flat data pages through the same store in a namespace of their own.
+
+With ``"remote": "redis://..."`` the shared Redis tier sits behind the disk (``shared.py``), in
+the disk store's namespace: every page a backup made durable is then also published (staged by
+a bounded copy, sent on the store's threads); ``batch_exists`` counts a leading run of pages that
+are on disk or in Redis, and ``batch_get_v1`` reads the disk's pages from the disk and the rest
+from Redis, verified. A page read from Redis is not written to the local disk (that write would
+sit on the prefetch path); a bad value, a timeout or a dead Redis is a False, counted.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +49,7 @@ from ...tiers.host_pool import HostPool
 from .metrics import BackendCounters, storage_metrics
 from .pages import SGLangPages, key_hash, namespace_for
 from .settings import BackendSettings
+from .shared import SharedPages
 
 log = logging.getLogger("kvstrata.sglang")
 #: SGLang's STORAGE_BATCH_SIZE: the most pages one call carries.
@@ -56,7 +66,7 @@ class KvstrataStorage(HiCacheStorage):
     def __init__(
         self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
     ) -> None:
-        self.settings = BackendSettings.from_extra_config(storage_config.extra_config)
+        self.settings = BackendSettings.from_extra_config(storage_config.extra_config, os.environ)
         if storage_config.should_split_heads:
             raise ConfigError(
                 "the kvstrata storage backend does not split heads across heterogeneous TP "
@@ -68,6 +78,7 @@ class KvstrataStorage(HiCacheStorage):
         self.counters = BackendCounters()
         self.pages: SGLangPages | None = None
         self.store: DiskStore | DiskView | None = None
+        self.shared: SharedPages | None = None
         self._tickets = itertools.count()
         self._set_lock = threading.Lock()  # one backup in flight: poll() results are its own
         self._offers: OrderedDict[bytes, int] = OrderedDict()
@@ -98,13 +109,19 @@ class KvstrataStorage(HiCacheStorage):
             self.store = DiskStore(ns, 0, disk)
         else:
             self.store = DiskView(ns, 0, disk.root, disk.read_threads, disk.io_timeout_s)
+        remote = self.settings.remote
+        if remote is not None:
+            # A reader never publishes; its staging stays untouched (never resident).
+            staging = self.settings.remote_staging_bytes
+            self.shared = SharedPages(ns, remote, self.pages.layout, self.pages.page_size, staging)
         log.info(
-            "kvstrata storage: %s %s, namespace %s, %d-byte pages, %s",
+            "kvstrata storage: %s %s, namespace %s, %d-byte pages, %s%s",
             "writer" if self.is_writer else "reader",
             interface,
             ns.short,
             self.pages.page_bytes,
             disk.root,
+            f", shared tier {self.shared.where}" if self.shared is not None else "",
         )
 
     def _ready(self) -> tuple[SGLangPages, DiskStore | DiskView]:
@@ -121,18 +138,35 @@ class KvstrataStorage(HiCacheStorage):
     # -- interface_v1 ----------------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many of ``keys``, from the first, are on disk (the index; no slab I/O)."""
+        """How many of ``keys``, from the first, are on disk (the index; no slab I/O) or, with
+        the shared tier, in Redis (every payload's key there; values are checked on read)."""
         _, store = self._ready()
         hashes = [key_hash(k) for k in keys]
-        found = 0
+        found = remote = 0
         for s in range(0, len(hashes), MAX_BATCH_PAGES):
             chunk = hashes[s : s + MAX_BATCH_PAGES]
-            n = store.lookup(chunk)
-            found += n
+            n, r = self._leading(store, chunk)
+            found, remote = found + n, remote + r
             if n < len(chunk):
                 break
-        self.counters.add(exists_calls=1, exists_pages=len(keys), exists_hits=found)
+        self.counters.add(
+            exists_calls=1, exists_pages=len(keys), exists_hits=found, exists_remote=remote
+        )
         return found
+
+    def _leading(self, store: DiskStore | DiskView, hashes: list[bytes]) -> tuple[int, int]:
+        """The leading run of ``hashes`` on disk or in Redis, and how much of it Redis found:
+        the disk's run, then Redis's run from where it stopped, then the disk's again, ..."""
+        at = remote = 0
+        while at < len(hashes):
+            at += store.lookup(hashes[at:])
+            if at == len(hashes) or self.shared is None:
+                break
+            n = self.shared.lookup(hashes[at:])
+            if n == 0:
+                break
+            at, remote = at + n, remote + n
+        return at, remote
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
@@ -193,18 +227,39 @@ class KvstrataStorage(HiCacheStorage):
     # -- reads and writes ------------------------------------------------------------------------
 
     def _read(self, hashes: list[bytes], host_pool: HostPool, slots: list[int]) -> list[bool]:
+        """Read pages, verified: from disk, and where the disk's run stops, from Redis (the
+        page there and the later ones the disk lacks), then from disk again, ... SGLang uses
+        the leading run of True, so each round starts at the first page still False and a round
+        that adds nothing there ends it."""
         _, store = self._ready()
         t0 = time.perf_counter()
-        ok = store.read(hashes, host_pool, slots)
+        n = len(hashes)
+        ok = [False] * n
+        disk_miss: bytes | None = None  # the disk's first False page (maybe being dropped)
+        remote_hits = at = 0
+        while at < n:
+            _take(ok, range(at, n), store.read, hashes, host_pool, slots)
+            at = _first_false(ok, at)
+            if at < n and disk_miss is None:
+                disk_miss = hashes[at]
+            if at == n or self.shared is None:
+                break
+            todo = [at] + [
+                i for i in range(at + 1, n) if not ok[i] and not store.lookup(hashes[i : i + 1])
+            ]
+            remote_hits += _take(ok, todo, self.shared.fetch, hashes, host_pool, slots)
+            after = _first_false(ok, at)
+            if after == at:
+                break
+            at = after
         hits = sum(ok)
-        self.counters.add(get_calls=1, get_pages=len(hashes), get_hits=hits)
+        self.counters.add(get_calls=1, get_pages=n, get_hits=hits, get_remote_hits=remote_hits)
         if hits:
             self.counters.prefetched(hits, hits * host_pool.page_bytes, time.perf_counter() - t0)
-        failed = [h for h, good in zip(hashes, ok, strict=True) if not good]
-        if failed and isinstance(store, DiskStore):
+        if disk_miss is not None and isinstance(store, DiskStore):
             # A page that failed verification is being dropped by the writer thread; wait for
             # it (bounded), so that the next batch_exists already stops there.
-            self._await_gone(store, failed[0])
+            self._await_gone(store, disk_miss)
         return ok
 
     def _await_gone(self, store: DiskStore, page_hash: bytes) -> None:
@@ -249,6 +304,13 @@ class KvstrataStorage(HiCacheStorage):
             if not done and not released:
                 self._await_release(store, ticket)
         ok = [h in durable for h in hashes]
+        if self.shared is not None and any(ok):  # durable: now the other hosts may have them
+            mine = [
+                (h, slot, hits) for (h, slot, hits), good in zip(pages, ok, strict=True) if good
+            ]
+            self.shared.publish(
+                [(h, hits) for h, _, hits in mine], host_pool, [s for _, s, _ in mine]
+            )
         self.counters.add(
             set_calls=1,
             set_pages=len(hashes),
@@ -284,6 +346,9 @@ class KvstrataStorage(HiCacheStorage):
         counters = self.counters.snapshot()
         if self.store is not None:
             counters |= {f"disk_{k}": v for k, v in self.store.stats().counters.items()}
+        if self.shared is not None:
+            counters |= {f"remote_{k}": v for k, v in self.shared.stats().counters.items()}
+            counters |= {f"remote_{k}": v for k, v in self.shared.counters.snapshot().items()}
         return storage_metrics(self.counters.drain(), counters)
 
     def clear(self) -> bool:
@@ -298,6 +363,32 @@ class KvstrataStorage(HiCacheStorage):
         return True
 
     def close(self) -> None:
-        """Finish the writes in flight and close the store (idempotent)."""
+        """Finish the writes in flight (the publishes' too) and close the stores (idempotent)."""
+        if self.shared is not None:
+            self.shared.close()
         if self.store is not None:
             self.store.close()
+
+
+def _first_false(ok: list[bool], start: int) -> int:
+    """The first index from ``start`` whose page is not read (``len(ok)`` when none)."""
+    return next((i for i in range(start, len(ok)) if not ok[i]), len(ok))
+
+
+def _take(
+    ok: list[bool],
+    todo: Sequence[int],
+    read: Callable[[list[bytes], HostPool, list[int]], list[bool]],
+    hashes: list[bytes],
+    host_pool: HostPool,
+    slots: list[int],
+) -> int:
+    """``read`` the pages of ``todo`` not read yet into their slots; marks ``ok``, returns how
+    many it read."""
+    todo = [i for i in todo if not ok[i]]
+    if not todo:
+        return 0
+    got = read([hashes[i] for i in todo], host_pool, [slots[i] for i in todo])
+    for i, good in zip(todo, got, strict=True):
+        ok[i] = good
+    return sum(got)
