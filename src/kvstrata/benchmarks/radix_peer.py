@@ -28,10 +28,7 @@ _CRATE = Path(__file__).resolve().parents[3] / "peers" / "sglang-tree"
 #: Where ``cargo build --release`` in ``peers/sglang-tree`` puts the peer.
 DEFAULT_PEER = _CRATE / "target" / "release" / "sglang-tree-bench"
 #: How to build it from the repository root (``scripts/setup.sh`` runs the same).
-BUILD_COMMAND = (
-    "python peers/sglang-tree/fetch_source.py && "
-    "cargo build --release --manifest-path peers/sglang-tree/Cargo.toml"
-)
+BUILD_COMMAND = "cd peers/sglang-tree && python fetch_source.py && cargo build --release"
 #: A replay of the default workload takes well under a second; a hung peer must not hang the bench.
 _TIMEOUT_S = 600
 
