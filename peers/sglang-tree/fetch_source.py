@@ -24,8 +24,11 @@ NAME, VERSION = "smg", "1.13.0"
 SHA256 = "0f8638751f5ba9aac1ef809cd81cfaf7e354973086a4cb1740a9acc0812dc5da"
 ROOT = f"{NAME}-{VERSION}"
 SRC = f"{ROOT}/crates/kv_index/src"
-FILES = {f"{SRC}/token_tree.rs": "token_tree.rs", f"{SRC}/common.rs": "common.rs",
-         f"{ROOT}/LICENSE": "LICENSE"}
+FILES = {
+    f"{SRC}/token_tree.rs": "token_tree.rs",
+    f"{SRC}/common.rs": "common.rs",
+    f"{ROOT}/LICENSE": "LICENSE",
+}
 TRAIT_START = "/// Trait for radix tree implementations."
 HERE = Path(__file__).resolve().parent
 
