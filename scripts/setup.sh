@@ -15,6 +15,8 @@
 # and Debian's redis-server and redis-tools (redis-cli, redis-benchmark) for the shared tier's tests,
 # which start their own servers on free loopback ports (tests/redis_rig.py; they skip where there is
 # none), and for `kvstrata bench remote`.
+# Where cargo is on PATH, the peer of `kvstrata bench radix` (SGLang's Rust token tree,
+# peers/sglang-tree), from Debian's packaged Rust crates; without cargo it says so and skips it.
 #
 # Environment: KVSTRATA_TORCH_INDEX=URL   the PyTorch index for the CUDA build (default: by driver)
 #              KVSTRATA_SETUP_DRY_RUN=1   print the pip commands instead of running them
@@ -99,5 +101,33 @@ if [ "${KVSTRATA_SETUP_DRY_RUN:-0}" != 1 ] && ! command -v redis-server >/dev/nu
       redis-tools; } >/tmp/kvstrata-apt-redis.log 2>&1; then
     echo "setup: apt-get install redis-server failed (see /tmp/kvstrata-apt-redis.log);" \
       "the shared-tier tests will skip" >&2
+  fi
+fi
+# The peer of `kvstrata bench radix`: SGLang's Rust token tree (peers/sglang-tree). Its crates come
+# from Debian's packaged Rust registry (no crate registry is reached), its tree's source from the
+# pinned smg sdist on the package index (fetch_source.py, which checks its sha256).
+PEER_CRATES=(librust-dashmap-dev librust-parking-lot-dev librust-once-cell-dev librust-rustc-hash-dev
+  librust-tracing-dev librust-sha2-dev)
+if [ "${KVSTRATA_SETUP_DRY_RUN:-0}" = 1 ]; then
+  echo "+ apt-get install ${PEER_CRATES[*]}; $py peers/sglang-tree/fetch_source.py;" \
+    "(cd peers/sglang-tree && cargo build --release)"
+elif ! command -v cargo >/dev/null 2>&1; then
+  echo "setup: cargo is not on PATH; skipping the bench radix peer (peers/sglang-tree);" \
+    "\`kvstrata bench radix\` will run without it and say so"
+else
+  if ! dpkg -s "${PEER_CRATES[@]}" >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+      && [ "$(id -u)" = 0 ]; then
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        "${PEER_CRATES[@]}"; } >/tmp/kvstrata-apt-rust.log 2>&1; then
+      echo "setup: apt-get install of the peer's crates failed (see /tmp/kvstrata-apt-rust.log)" >&2
+    fi
+  fi
+  # From the crate's folder: its .cargo/config.toml (Debian's registry) is found from there.
+  if "$py" peers/sglang-tree/fetch_source.py \
+      && (cd peers/sglang-tree && nice -n 10 cargo build -q --release); then
+    echo "setup: built the bench radix peer, peers/sglang-tree/target/release/sglang-tree-bench"
+  else
+    echo "setup: building the bench radix peer failed (above); \`kvstrata bench radix\` will run" \
+      "without it and say so" >&2
   fi
 fi

@@ -27,7 +27,9 @@ Everything kvstrata raises on purpose derives from :class:`KVStrataError`::
     ├── WorkloadError            a malformed trace file (line number in the message)
     ├── CollectiveError          a collective across CP ranks failed or timed out (names the step)
     ├── DivergenceError          ranks' replicated state or configuration differ (names what)
-    └── RequestError             one request cannot be served (the others are unaffected)
+    ├── RequestError             one request cannot be served (the others are unaffected)
+    ├── HandoffError             a prefill -> decode handoff that cannot be assembled
+    └── PeerError                a benchmark's peer binary failed or printed no result
 
 Programmer errors inside kvstrata are ``assert``-ed; errors caused by input from the outside world
 are raised as one of the types above, never swallowed.
@@ -137,3 +139,8 @@ class RequestError(KVStrataError):
 class HandoffError(KVStrataError):
     """A prefill -> decode handoff that cannot be assembled: another layout, a page or rank
     missing or doubled (:mod:`kvstrata.handoff`)."""
+
+
+class PeerError(KVStrataError):
+    """A peer benchmark binary (``kvstrata bench radix``'s SGLang tree) failed, hung, or printed
+    no result line; the message names the binary and what it said."""

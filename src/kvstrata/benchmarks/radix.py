@@ -7,6 +7,11 @@ whenever the tree holds more than ``--budget`` tokens, down to 90 % of it. Reque
 
 For each page size it also replays with no eviction and compares the matched-length checksum with
 the workload's tree-free reference (``synthetic.reference_matched_lengths``).
+
+In the same run, rounds alternating with kvstrata's, the peer (:mod:`.radix_peer`: SGLang's Rust
+token tree, ``peers/sglang-tree``) replays the same requests from a dump; the table's ratio is
+kvstrata's requests/s over the peer's, medians over ``--rounds``. With no peer built the benchmark
+says so and its JSON has ``peer: null`` and the reason.
 """
 
 from __future__ import annotations
@@ -14,9 +19,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
+import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -30,6 +39,8 @@ from ..errors import ConfigError
 from ..limits import ALLOCATOR_BYTES_PER_PAGE, check_fits
 from ..ownership import page_span
 from ..workloads import shared_synthetic as synthetic
+from . import radix_peer
+from .radix_peer import PeerStats
 
 PROG = "kvstrata bench radix"
 #: What the generator's requests cost while they are built: about 6,700 tokens per request on
@@ -37,6 +48,10 @@ PROG = "kvstrata bench radix"
 #: ru_maxrss) plus 4 in the uint32 arrays.
 _TOKENS_PER_REQUEST = 6_721
 _BYTES_PER_TOKEN = 20
+
+#: Rounds are cheap (one replay of the default workload takes a fraction of a second); this bounds
+#: a typo, not a measurement.
+MAX_ROUNDS = 100
 
 #: The workload's own no-eviction references for seed 0 and 2,000 requests (from
 #: ``python -m kvstrata.workloads.shared_synthetic --seed 0 --reference P``); ``--recompute-reference`` recomputes them.
@@ -143,6 +158,24 @@ def build_parser() -> CommandParser:
     )
     ap.add_argument("--eviction", choices=["lru", "slru"], default="lru")
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds per page size, kvstrata and the peer alternating; the table shows medians "
+        "(default 3)",
+    )
+    ap.add_argument(
+        "--peer",
+        metavar="PATH",
+        help="the peer binary, sglang-tree-bench (default: peers/sglang-tree/target/release/"
+        f"sglang-tree-bench if built; build: {radix_peer.BUILD_COMMAND})",
+    )
+    ap.add_argument(
+        "--no-peer",
+        action="store_true",
+        help="run kvstrata's tree alone (the JSON says peer: null and why)",
+    )
+    ap.add_argument(
         "--recompute-reference",
         action="store_true",
         help="recompute the no-eviction reference checksums from the workload (slow)",
@@ -158,6 +191,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--requests must be >= 1, got {args.requests}")
     if min(args.page_sizes) < 1:
         raise ConfigError(f"--page-sizes must all be >= 1, got {args.page_sizes}")
+    if not 1 <= args.rounds <= MAX_ROUNDS:
+        raise ConfigError(f"--rounds must lie in [1, {MAX_ROUNDS}], got {args.rounds}")
+    if args.no_peer and args.peer is not None:
+        raise ConfigError("--peer and --no-peer contradict each other; give one")
     if args.budget < max(args.page_sizes):
         raise ConfigError(
             f"--budget ({args.budget} tokens) must hold at least one page of every page size "
@@ -182,8 +219,49 @@ def check_args(args: argparse.Namespace) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> list[tuple[int, str, RunStats, RunStats]]:
-    """``(page size, reference checksum, no-eviction run, eviction run)`` per page size."""
+@dataclass
+class PageRow:
+    """One page size's results: kvstrata's rounds and, when there is a peer, the peer's."""
+
+    page_size: int
+    reference: str
+    noevict: RunStats
+    rounds: list[RunStats]
+    peer_rounds: list[PeerStats]
+
+    @property
+    def evict(self) -> RunStats:
+        """kvstrata's median round by requests/s (the one the table shows)."""
+        ranked = sorted(self.rounds, key=lambda r: r.requests_per_s)
+        return ranked[(len(ranked) - 1) // 2]
+
+    @property
+    def peer(self) -> PeerStats | None:
+        """The peer's median round by requests/s, or None without a peer."""
+        if not self.peer_rounds:
+            return None
+        ranked = sorted(self.peer_rounds, key=lambda r: r.requests_per_s)
+        return ranked[(len(ranked) - 1) // 2]
+
+    @property
+    def ratio(self) -> float | None:
+        """Median kvstrata requests/s over median peer requests/s."""
+        if not self.peer_rounds:
+            return None
+        kv = statistics.median(r.requests_per_s for r in self.rounds)
+        return kv / statistics.median(r.requests_per_s for r in self.peer_rounds)
+
+    @property
+    def ok(self) -> bool:
+        """Both trees' no-eviction checksums equal the workload's reference."""
+        peer = self.peer
+        return self.noevict.checksum == self.reference and (
+            peer is None or peer.noevict_matched_checksum == self.reference
+        )
+
+
+def run(args: argparse.Namespace, peer: Path | None) -> list[PageRow]:
+    """One :class:`PageRow` per page size; ``peer`` (a binary) runs after each kvstrata round."""
     raw = synthetic.generate(args.seed, args.requests)
     requests = [np.array(r, dtype=np.uint32) for r in raw]
     known = KNOWN_REFERENCES.get((args.seed, args.requests), {})
@@ -198,30 +276,95 @@ def run(args: argparse.Namespace) -> list[tuple[int, str, RunStats, RunStats]]:
     del raw
     gc.collect()
     rows = []
-    for P in args.page_sizes:
-        noevict = replay(requests, P, None, args.eviction)
-        evict = replay(requests, P, args.budget, args.eviction)
-        rows.append((P, refs[P], noevict, evict))
+    with tempfile.TemporaryDirectory(prefix="kvstrata-radix-") as tmp:
+        dump = Path(tmp) / "workload.bin"
+        if peer is not None:
+            radix_peer.write_dump(requests, dump)
+        for P in args.page_sizes:
+            noevict = replay(requests, P, None, args.eviction)
+            rounds, peer_rounds = [], []
+            for _ in range(args.rounds):
+                rounds.append(replay(requests, P, args.budget, args.eviction))
+                if peer is not None:
+                    peer_rounds.append(radix_peer.run_peer(peer, dump, P, args.budget))
+            rows.append(PageRow(P, refs[P], noevict, rounds, peer_rounds))
     return rows
+
+
+def _row_json(row: PageRow) -> dict[str, object]:
+    ev, ne, peer = row.evict, row.noevict, row.peer
+    out: dict[str, object] = {
+        "page_size": row.page_size,
+        "requests_per_s": round(ev.requests_per_s, 1),
+        "rounds_requests_per_s": [round(r.requests_per_s, 1) for r in row.rounds],
+        "match_us": round(ev.match_us, 2),
+        "insert_us": round(ev.insert_us, 2),
+        "evicted_nodes": ev.evicted_nodes,
+        "evicted_pages": ev.evicted_pages,
+        "matched_checksum": ev.checksum,
+        "noevict_matched_checksum": ne.checksum,
+        "noevict_requests_per_s": round(ne.requests_per_s, 1),
+        "reference_checksum": row.reference,
+        "reference_ok": ne.checksum == row.reference,
+    }
+    if peer is not None:
+        ratio = row.ratio
+        assert ratio is not None
+        out |= {
+            "peer_requests_per_s": round(peer.requests_per_s, 1),
+            "peer_rounds_requests_per_s": [round(r.requests_per_s, 1) for r in row.peer_rounds],
+            "peer_match_us": round(peer.match_us, 2),
+            "peer_insert_us": round(peer.insert_us, 2),
+            "peer_evictions": peer.evictions,
+            "peer_matched_checksum": peer.matched_checksum,
+            "peer_noevict_matched_checksum": peer.noevict_matched_checksum,
+            "peer_reference_ok": peer.noevict_matched_checksum == row.reference,
+            "ratio": round(ratio, 3),
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark for command-line arguments ``argv``; returns the exit status."""
     args = build_parser().parse_args(argv)
     check_args(args)
-    rows = run(args)
+    peer: Path | None = None
+    no_peer_reason: str | None = "--no-peer"
+    if not args.no_peer:
+        peer, no_peer_reason = radix_peer.find_peer(args.peer)
+    if peer is None:
+        print(f"peer: none ({no_peer_reason})")
+    rows = run(args, peer)
     header = (
         f"{'page':>5} {'req/s':>9} {'match us':>9} {'insert us':>10} {'evicted nodes':>14} "
         f"{'evicted pages':>14} {'checksum (evict)':>17} {'no-evict checksum':>18} {'reference':>17}"
     )
+    if peer is not None:
+        header += (
+            f" {'peer req/s':>11} {'peer match':>11} {'peer insert':>12} {'ratio':>6} peer ref"
+        )
     print(header)
     print("-" * len(header))
-    for P, ref, ne, ev in rows:
-        ok = "ok" if ne.checksum == ref else "MISMATCH"
+    for row in rows:
+        ev, ne = row.evict, row.noevict
+        ok = "ok" if ne.checksum == row.reference else "MISMATCH"
+        line = (
+            f"{row.page_size:>5} {ev.requests_per_s:>9.0f} {ev.match_us:>9.1f} "
+            f"{ev.insert_us:>10.1f} {ev.evicted_nodes:>14} {ev.evicted_pages:>14} "
+            f"{ev.checksum:>17} {ne.checksum:>18} {row.reference:>14} {ok:>2}"
+        )
+        p = row.peer
+        if p is not None:
+            peer_ok = "ok" if p.noevict_matched_checksum == row.reference else "MISMATCH"
+            line += (
+                f" {p.requests_per_s:>11.0f} {p.match_us:>11.1f} {p.insert_us:>12.1f} "
+                f"{row.ratio:>6.2f} {peer_ok}"
+            )
+        print(line)
+    if peer is not None:
         print(
-            f"{P:>5} {ev.requests_per_s:>9.0f} {ev.match_us:>9.1f} {ev.insert_us:>10.1f} "
-            f"{ev.evicted_nodes:>14} {ev.evicted_pages:>14} {ev.checksum:>17} "
-            f"{ne.checksum:>18} {ref:>14} {ok}"
+            f"ratio: kvstrata req/s / peer req/s, medians of {args.rounds} alternating rounds "
+            f"(the table shows each tree's median round); peer {peer}"
         )
     summary = {
         "bench": "radix",
@@ -229,26 +372,17 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "budget_tokens": args.budget,
         "eviction": args.eviction,
+        "rounds": args.rounds,
         "python": platform.python_version(),
-        "results": [
-            {
-                "page_size": P,
-                "requests_per_s": round(ev.requests_per_s, 1),
-                "match_us": round(ev.match_us, 2),
-                "insert_us": round(ev.insert_us, 2),
-                "evicted_nodes": ev.evicted_nodes,
-                "evicted_pages": ev.evicted_pages,
-                "matched_checksum": ev.checksum,
-                "noevict_matched_checksum": ne.checksum,
-                "noevict_requests_per_s": round(ne.requests_per_s, 1),
-                "reference_checksum": ref,
-                "reference_ok": ne.checksum == ref,
-            }
-            for P, ref, ne, ev in rows
-        ],
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "peer": None
+        if peer is None
+        else {"binary": str(peer), "tree": rows[0].peer.tree if rows and rows[0].peer else None},
+        "peer_reason": no_peer_reason,
+        "results": [_row_json(row) for row in rows],
     }
     print(json.dumps(summary))
-    return 0 if all(ne.checksum == ref for _, ref, ne, _ in rows) else 1
+    return 0 if all(row.ok for row in rows) else 1
 
 
 def run_main(argv: list[str] | None = None) -> int:
