@@ -5,7 +5,8 @@ Redis either.
 
 ::
 
-    publish  batch_set_v1 made pages durable on disk -> copy them into this rank's staging
+    publish  batch_set_v1 made pages durable on disk -> copy those with remote_min_hits
+             backups (the others are counted as skipped by admission) into this rank's staging
              pool (on the caller's thread: a bounded memcpy, never a round trip) and publish
              from there on the store's threads; a staging slot is free again once the store
              reports its ticket released. Pages that find no free staging slot, or a ticket
@@ -109,6 +110,17 @@ class SharedPages:
         ``host_pool``: copied into staging now, sent later. Returns how many were staged."""
         if self._closed or not pages:
             return 0
+        # Pages the store's admission skips are never copied: that memcpy would sit on SGLang's
+        # backup thread and hold staging slots that admissible pages then miss.
+        least = self.remote.config.min_hits
+        below = sum(hits < least for _, hits in pages)
+        if below:
+            self.remote.counters.add(skipped_admission=below)
+            admit = [i for i, (_, hits) in enumerate(pages) if hits >= least]
+            pages = [pages[i] for i in admit]
+            host_slots = [host_slots[i] for i in admit]
+            if not pages:
+                return 0
         self._pump()
         with self._lock:
             take = min(len(pages), len(self._free))
