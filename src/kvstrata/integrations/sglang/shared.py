@@ -189,6 +189,11 @@ class SharedPages:
     def stats(self) -> RemoteStats:
         return self.remote.stats()
 
+    def clear(self) -> int:
+        """Delete this rank's pages from the shared store (every host's copy of them: the keys
+        are shared); the keys deleted."""
+        return self.remote.clear()
+
     def check(self) -> None:
         """Staging slots are free or held by exactly one ticket; the store's own invariants."""
         with self._lock:

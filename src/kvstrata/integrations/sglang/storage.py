@@ -46,6 +46,7 @@ from ...tiers.disk_config import DiskStats
 from ...tiers.disk_store import DiskStore
 from ...tiers.disk_view import DiskView
 from ...tiers.host_pool import HostPool
+from ...tiers.remote.client import StoreUnavailable
 from .metrics import BackendCounters, storage_metrics
 from .pages import SGLangPages, key_hash, namespace_for
 from .settings import BackendSettings
@@ -352,7 +353,10 @@ class KvstrataStorage(HiCacheStorage):
         return storage_metrics(self.counters.drain(), counters)
 
     def clear(self) -> bool:
-        """Drop every page this rank's store holds (its slabs stay, empty)."""
+        """Drop every page this rank's store holds (its slabs stay, empty) and, with the shared
+        tier, this rank's pages in Redis: every host's, since they share them (a flush after a
+        weight update must not leave the old KV for anyone). False when Redis could not be
+        reached (the disk is cleared all the same)."""
         pages, store = self._ready()
         if not isinstance(store, DiskStore):
             return False
@@ -360,6 +364,13 @@ class KvstrataStorage(HiCacheStorage):
         cfg = store.config
         fresh = dataclasses.replace(cfg, start="clear")
         self.store = DiskStore(store.namespace, store.rank, fresh)
+        if self.shared is not None:
+            try:
+                deleted = self.shared.clear()
+            except StoreUnavailable as err:
+                log.warning("clear: the shared tier is unreachable, its pages stay: %s", err)
+                return False
+            log.info("clear: %d keys of this rank deleted from the shared tier", deleted)
         return True
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ COUNTERS = (
     "breaker_opens",  # times the breaker opened (after a timeout or connection error)
     "breaker_skips",  # calls answered at once because the breaker was open
     "recounts",  # SCANs of this rank's keys (the budget's accounting)
+    "recount_waits_cut",  # publishes that stopped waiting for the first SCAN (pages skipped)
 )
 
 

@@ -25,7 +25,10 @@ Faults never raise: a timeout or connection error opens the breaker (``client.Br
 its interval every call answers at once (lookups 0, fetches all misses, publishes skipped), all
 counted. The budget (``RemoteConfig.budget_bytes / cp_size`` per rank) counts this rank's keys by
 a SCAN at the first publish and whenever a write would pass it (at most every
-:data:`RECOUNT_S`), plus what it wrote since; writes past it are skipped and counted.
+:data:`RECOUNT_S`), plus what it wrote since; writes past it are skipped and counted. The SCAN
+runs on a thread of its own, never in a fetch's way: the first one is waited for at most twice
+the timeout (publishes are skipped until it is in), later ones not at all (the last count
+stands meanwhile).
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ class RemoteStore:
         self._budget_lock, self._recount_lock = threading.Lock(), threading.Lock()
         self._io = concurrent.futures.ThreadPoolExecutor(config.threads, "kvstrata-remote")
         self._lookup_io = concurrent.futures.ThreadPoolExecutor(1, "kvstrata-remote-lookup")
+        self._count_io = concurrent.futures.ThreadPoolExecutor(1, "kvstrata-remote-count")
+        self._counting: concurrent.futures.Future[None] | None = None
         self._local = threading.local()  # each store thread's read buffer (_scratch)
 
     # -- round trips -----------------------------------------------------------------------------
@@ -324,16 +329,31 @@ class RemoteStore:
         """How many of ``pages`` new pages fit in the budget (reserved for the caller)."""
         with self._budget_lock:
             over = self._used + self._reserved + pages * self.page_bytes > self.budget_bytes
-            due = self._counted_at is None or (
-                over and time.monotonic() - self._counted_at >= RECOUNT_S
-            )
+            counted = self._counted_at
+            first = counted is None
+            due = counted is None or (over and time.monotonic() - counted >= RECOUNT_S)
         if due:
-            self._recount()
+            counting = self._start_recount()
+            if first:  # nothing counted yet: wait for it, no longer than one round trip may take
+                try:
+                    counting.result(timeout=2 * self.config.timeout_s)
+                except concurrent.futures.TimeoutError:
+                    self.counters.add(recount_waits_cut=1)
+                    return 0  # skipped (counted by the caller) until the first count is in
         with self._budget_lock:
             room = (self.budget_bytes - self._used - self._reserved) // self.page_bytes
             fits = max(0, min(pages, room))
             self._reserved += fits * self.page_bytes
             return fits
+
+    def _start_recount(self) -> concurrent.futures.Future[None]:
+        """The recount under way, or a new one on the counting thread. A SCAN walks every key
+        of the store, every tenant's, so it never runs on the threads that fetch: a fetch
+        would wait behind it for as long as the keyspace takes to walk (2.6 s at 3 M keys)."""
+        with self._budget_lock:
+            if self._counting is None or self._counting.done():
+                self._counting = self._count_io.submit(self._recount)
+            return self._counting
 
     def _recount(self) -> None:
         """Count this rank's keys in the store (SCAN; one thread at a time)."""
@@ -351,6 +371,25 @@ class RemoteStore:
             with self._budget_lock:
                 self._used, self._counted_at = total, time.monotonic()
             self.counters.add(recounts=1)
+
+    def clear(self) -> int:
+        """Delete every key of this rank's namespace from the store (every instance's: they
+        share it) after the writes in flight, and count the budget from zero; the keys deleted.
+        A flush of the cache as an operator asks for it (SGLang's clear of its storage backend),
+        on the caller's thread; an unavailable store raises :class:`StoreUnavailable`."""
+        self.flush(self.config.timeout_s * 4)
+        pattern = rank_pattern(self.namespace, self.rank)
+
+        def wipe(client: RedisClient) -> int:
+            keys = list(client.scan(pattern))
+            for i in range(0, len(keys), LOOKUP_PAGES):
+                client.delete(keys[i : i + LOOKUP_PAGES])
+            return len(keys)
+
+        deleted = self._call(wipe)
+        with self._budget_lock:
+            self._used, self._counted_at = 0, time.monotonic()
+        return deleted
 
     # -- lookup and fetch ------------------------------------------------------------------------
 
@@ -565,6 +604,7 @@ class RemoteStore:
             self._closed = True
         self._io.shutdown(wait=True, cancel_futures=True)
         self._lookup_io.shutdown(wait=True, cancel_futures=True)
+        self._count_io.shutdown(wait=True, cancel_futures=True)
         with self._client_lock:
             if self._client is not None:
                 self._client.close()
