@@ -160,3 +160,22 @@ def expected(pool: Any, keys: list[str], salt: str) -> list[torch.Tensor]:
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def read_past_a_bad_page(
+    backend: KvstrataStorage, pool: Any, keys: list[str], salt: str, bad: int
+) -> list[bool]:
+    """``batch_get_v1`` of ``keys`` where page ``bad`` does not verify: the pages before it
+    read back as ``salt``'s bytes, the bad one reads False and leaves its host page untouched,
+    and no page reported read holds other bytes; the ``ok`` list."""
+    host = pool.alloc(len(keys) * PAGE)
+    before = pool.get_data_page(int(host[bad * PAGE])).view(torch.uint8).clone()
+    ok = backend.batch_get_v1(keys, host)
+    assert ok[:bad] == [True] * bad and ok[bad] is False
+    want = expected(pool, keys, salt)
+    for i, good in enumerate(ok):  # every page reported read holds its own bytes
+        got = pool.get_data_page(int(host[i * PAGE])).view(torch.uint8)
+        assert not good or torch.equal(got, want[i])
+    assert torch.equal(pool.get_data_page(int(host[bad * PAGE])).view(torch.uint8), before)
+    pool.free(host)
+    return ok

@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -219,6 +220,15 @@ def check_args(args: argparse.Namespace) -> None:
     )
 
 
+_R = TypeVar("_R", RunStats, PeerStats)
+
+
+def _median_round(rounds: list[_R]) -> _R:
+    """The median round by requests/s (the lower of the middle two for an even count)."""
+    ranked = sorted(rounds, key=lambda r: r.requests_per_s)
+    return ranked[(len(ranked) - 1) // 2]
+
+
 @dataclass
 class PageRow:
     """One page size's results: kvstrata's rounds and, when there is a peer, the peer's."""
@@ -232,16 +242,12 @@ class PageRow:
     @property
     def evict(self) -> RunStats:
         """kvstrata's median round by requests/s (the one the table shows)."""
-        ranked = sorted(self.rounds, key=lambda r: r.requests_per_s)
-        return ranked[(len(ranked) - 1) // 2]
+        return _median_round(self.rounds)
 
     @property
     def peer(self) -> PeerStats | None:
         """The peer's median round by requests/s, or None without a peer."""
-        if not self.peer_rounds:
-            return None
-        ranked = sorted(self.peer_rounds, key=lambda r: r.requests_per_s)
-        return ranked[(len(ranked) - 1) // 2]
+        return _median_round(self.peer_rounds) if self.peer_rounds else None
 
     @property
     def ratio(self) -> float | None:
@@ -319,7 +325,7 @@ def _row_json(row: PageRow) -> dict[str, object]:
             "peer_matched_checksum": peer.matched_checksum,
             "peer_noevict_matched_checksum": peer.noevict_matched_checksum,
             "peer_reference_ok": peer.noevict_matched_checksum == row.reference,
-            "ratio": round(ratio, 3),
+            "ratio": round(ratio, 4),
         }
     return out
 
