@@ -83,6 +83,10 @@ def test_sweep_page_numbers_are_sweep_json(sweep_dir: Path) -> None:
     table = {f"runs.{i}.summary.{key}" for i in range(len(runs)) for _, key in COLUMNS}
     assert table <= set(cells.values)
     check_cells(cells, doc)
+    # The lead names what priced the TTFT curves: the cost profile, or the flat model.
+    cost = runs[0]["summary"]["clock"]["cost"]
+    named = f"cost profile {cost['name']}" if cost.get("name") else "the flat cost model"
+    assert f"TTFT priced by {named}" in text
     # The page opens with each curve's knee: its size, hit ratio, TTFT p50 / p90.
     head = parse(text[: text.index("<img")])
     for i, run in enumerate(runs):
@@ -159,3 +163,17 @@ def test_the_l1_axis_is_in_gib_when_every_run_plans_a_model() -> None:
     assert _l1_axis(planned) == ("planner.tier_gib.l1", "L1 size, GiB of KV")
     mixed = [*planned, {"summary": {"planner": None}}]
     assert _l1_axis(mixed) == ("config.l1_tokens", "L1 size, tokens")
+
+
+def test_the_report_names_the_cost_profile_that_priced_it(tmp_path: Path) -> None:
+    """With --cost-profile the sweep's TTFT comes from that profile, and the page says which."""
+    from kvstrata.cost import load_profile
+
+    profile = load_profile("h200-llama-3.2-1b-bf16")
+    argv = ["sweep", "--trace", "synthetic:2:40", "--l1-tokens", "8192", "65536", "--kv-width"]
+    argv += ["4", "--cost-profile", profile.name, "--no-progress", "--report", str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert {r["summary"]["clock"]["cost"]["name"] for r in doc["runs"]} == {profile.name}
+    text = (tmp_path / "report.html").read_text()
+    assert f"TTFT priced by cost profile {profile.name} (calibrated)" in text

@@ -275,9 +275,16 @@ def write_sweep_report(directory: str | Path, runs: list[dict[str, Any]]) -> Pat
             cells.append(f'<td{cls} data-key="runs.{i}.summary.{key}">{format_value(value)}</td>')
         rows.append(f"<tr>{''.join(cells)}</tr>")
     numbers = f"<table><tr>{head}</tr>\n" + "\n".join(rows) + "\n</table>"
+    clock = first.get("clock") or {}
+    cost = clock.get("cost") or {}
+    priced = (
+        f", TTFT priced by cost profile {cost['name']} ({cost.get('kind', '?')})"
+        if cost.get("name")
+        else (", TTFT priced by the flat cost model" if cost else "")
+    )
     lead = (
         f"{len(runs)} runs of {config.get('workload', '?')} ({first['requests']:,} requests each), "
-        f"arrivals {first.get('arrivals', '?')}, {first.get('clock', {}).get('kind', 'wall')} clock."
+        f"arrivals {first.get('arrivals', '?')}, {clock.get('kind', 'wall')} clock{priced}."
     )
     index = {id(run): i for i, run in enumerate(runs)}
     curves = {label: [index[id(r)] for r in group] for label, group in _curves(runs).items()}
