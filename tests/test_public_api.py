@@ -37,7 +37,8 @@ PUBLIC = [
     "AllocatorError", "DoubleFreeError", "ForeignPageError", "UnknownPageError",
     "TreeInvariantError", "TreeUsageError", "PoolInvariantError", "TransferError",
     "TransferTimeoutError", "ModelError", "CheckpointError", "UnsupportedArchitectureError",
-    "DiskStoreError", "DiskFormatError", "WorkloadError", "CollectiveError", "DivergenceError",
+    "DiskStoreError", "DiskFormatError", "WorkloadError", "PeerError", "CollectiveError",
+    "DivergenceError",
     "RequestError", "HandoffError",
 ]  # fmt: skip
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvstrata.engine import EngineConfig
+from kvstrata.errors import ConfigError
 from kvstrata.replay import ReplayConfig, run_replay
 
 #: Keys whose entries are data (strategy names, rank numbers), not schema.
@@ -72,6 +75,7 @@ CONFIG_ADDED = {
     "cost_profile", "model_shape", "l1_gib", "sim_links",  # new with the cost profiles
     *(f"sim_links.{k}" for k in ("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
     "remote", "remote_gib", "remote_timeout_ms", "remote_min_hits",  # new with --remote
+    "l3_io",  # new with --l3-io
 }  # fmt: skip
 L3 = {
     "pages_present", "pages_written", "bytes_written", "pages_read", "bytes_read",
@@ -83,6 +87,7 @@ L3 = {
     "engine_spills", "engine_spilled_pages", "engine_spills_refused", "engine_reloads",
     "engine_reloaded_pages", "engine_reload_misses", "engine_reloads_refused",
     "engine_reload_refused_pages", "engine_hit_tokens",
+    "io_mode",  # what --l3-io came to (auto: direct where the filesystem has it)
 }  # fmt: skip
 COST = {
     "tokens_per_s", "h2d_gbps", "d2h_gbps",
@@ -130,7 +135,7 @@ def test_cache_only_summary_keys_and_config(tmp_path: Path) -> None:
         "workload": "builtin", "limit": 24, "skipped_lines": 0, "model": "none",
         "dtype": "uint8", "vocab_size": 128256, "page_size": 16, "l1_tokens": 4096,
         "l2_tokens": 8192, "l2_gib": 0.0, "l3_dir": str(tmp_path / "l3"), "l3_gib": 0.01,
-        "l3_start": "clear", "l3_min_hits": 1, "host_layout": "page_first",
+        "l3_start": "clear", "l3_min_hits": 1, "l3_io": "auto", "host_layout": "page_first",
         "write_policy": "write_through", "write_through_hits": 2, "chunk_size": 2048,
         "max_batch_tokens": 8192, "max_batch_requests": 64, "lookahead": 128, "eviction": "lru",
         "device": "cpu", "kv_width": 64, "verify": 3, "draft_model": None, "decode_tokens": 0,
@@ -153,8 +158,8 @@ def test_model_summary_keys_and_config() -> None:
         "workload": "builtin", "limit": 6, "skipped_lines": 0, "model": "tiny",
         "dtype": "float32", "vocab_size": 512, "page_size": 16, "l1_tokens": 1024,
         "l2_tokens": 4096, "l2_gib": 0.0, "l3_dir": None, "l3_gib": None, "l3_start": None,
-        "l3_min_hits": None, "host_layout": "page_first", "write_policy": "write_through",
-        "write_through_hits": 2, "chunk_size": 128, "max_batch_tokens": 8192,
+        "l3_min_hits": None, "l3_io": None, "host_layout": "page_first",
+        "write_policy": "write_through", "write_through_hits": 2, "chunk_size": 128, "max_batch_tokens": 8192,
         "max_batch_requests": 64, "lookahead": 128, "eviction": "lru", "device": "cpu",
         "kv_width": None, "verify": 2, "draft_model": "tiny-draft", "decode_tokens": 2,
         "handoff_dir": None, "seed": 0, "threads": 1, "arrivals": "burst", "time_scale": 1.0,
@@ -166,3 +171,27 @@ def test_model_summary_keys_and_config() -> None:
         "sim_links": dict.fromkeys(("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
         "remote": None, "remote_gib": None, "remote_timeout_ms": None, "remote_min_hits": None,
     }  # fmt: skip
+
+
+def test_l3_io_is_a_knob_and_the_summary_says_what_it_came_to(tmp_path: Path) -> None:
+    """--l3-io buffered runs the disk tier through the page cache (the same hits and bytes as
+    O_DIRECT: only the wall clock differs) and the summary says so; a bad value is refused."""
+    docs = {}
+    for io in ("buffered", "auto"):
+        engine = EngineConfig(
+            pool_tokens=4096, l2_tokens=8192, l3_dir=str(tmp_path / io), l3_gib=0.01, l3_io=io
+        )
+        cfg = ReplayConfig(model="none", limit=24, verify=3, engine=engine)
+        docs[io] = run_replay(cfg, progress=False).to_json()
+    assert docs["buffered"]["config"]["l3_io"] == "buffered"
+    assert docs["buffered"]["tiers"]["l3"]["io_mode"] == "buffered"
+    assert docs["auto"]["tiers"]["l3"]["io_mode"] in ("direct", "buffered")
+    for key in ("hit_tokens_by_tier", "hit_ratio"):
+        assert docs["buffered"][key] == docs["auto"][key]
+    same = ("pages_written", "pages_read", "spills", "reloads")
+    assert {k: docs["buffered"]["tiers"]["l3"][k] for k in same} == {
+        k: docs["auto"]["tiers"]["l3"][k] for k in same
+    }
+    assert docs["buffered"]["verify"]["ok"]
+    with pytest.raises(ConfigError, match="--l3-io must be one of auto, direct, buffered"):
+        EngineConfig(l2_tokens=8192, l3_dir=str(tmp_path / "x"), l3_gib=0.01, l3_io="mmap")

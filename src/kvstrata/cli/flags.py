@@ -207,6 +207,16 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         help="clear: start with an empty disk tier; load: keep (and verify) what DIR holds",
     )
     p.add_argument(
+        "--l3-io",
+        choices=["auto", "direct", "buffered"],
+        default=EngineConfig.l3_io,
+        help="how the disk tier reads and writes its slabs: auto (O_DIRECT where the "
+        "filesystem allows, else the page cache, with a warning), direct (refuse to start "
+        "without O_DIRECT), buffered (the page cache; writes still fsynced before a page is "
+        "published). A --model none replay's disk time is simulated (--sim-disk-read-gbps), so "
+        "buffered only makes its wall clock shorter",
+    )
+    p.add_argument(
         "--l3-min-hits",
         type=int,
         default=EngineConfig.l3_min_hits,
@@ -423,6 +433,7 @@ def replay_config(args: argparse.Namespace) -> ReplayConfig:
             l3_gib=args.l3_gib,
             l3_start=args.l3_start,
             l3_min_hits=args.l3_min_hits,
+            l3_io=args.l3_io,
             remote_url=args.remote,
             remote_gib=args.remote_gib,
             remote_timeout_ms=args.remote_timeout_ms,

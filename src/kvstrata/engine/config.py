@@ -10,6 +10,7 @@ import torch
 from ..config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, WRITE_POLICIES, CacheConfig, HostLayout
 from ..dist.attention import check_strategy
 from ..errors import ConfigError
+from ..tiers.disk_config import IO_MODES
 from ..tiers.disk_layout import check_roots
 from ..tiers.remote.config import parse_url
 
@@ -41,6 +42,9 @@ class EngineConfig:
     l3_gib: float = 0.0  # disk bytes each rank's slabs take, all its directories together
     l3_start: str = "clear"  # "clear" (start empty) or "load" (keep what the directory holds)
     l3_min_hits: int = 1  # spill only pages used at least this often
+    # how the disk tier reads and writes its slabs: auto (O_DIRECT where the filesystem has it),
+    # direct (refuse to start without it) or buffered (through the page cache; still fsynced)
+    l3_io: str = "auto"
     # the shared tier (Redis) in L3's place: tiers/remote/config.py; it may carry a password
     remote_url: str | None = field(default=None, repr=False)
     remote_gib: float = 0.0  # this namespace's share of the store, all ranks together
@@ -109,6 +113,10 @@ class EngineConfig:
                 raise ConfigError(f"--l3-gib must lie in (0, 1048576], got {self.l3_gib!r}")
             if self.l3_start not in ("clear", "load"):
                 raise ConfigError(f"--l3-start must be clear or load, got {self.l3_start!r}")
+            if self.l3_io not in IO_MODES:
+                raise ConfigError(
+                    f"--l3-io must be one of {', '.join(IO_MODES)}, got {self.l3_io!r}"
+                )
             if not isinstance(self.l3_min_hits, int) or self.l3_min_hits < 0:
                 raise ConfigError(f"--l3-min-hits must be >= 0, got {self.l3_min_hits!r}")
             if self.write_policy != "write_through":

@@ -150,6 +150,7 @@ class CacheHierarchy:
                     budget_bytes=int(config.l3_gib * GIB),
                     start=config.l3_start,  # type: ignore[arg-type]
                     min_hits=config.l3_min_hits,
+                    io_mode=config.l3_io,  # type: ignore[arg-type]
                     # One spill per step and at most a step's admissions of reloads are in
                     # flight at once (the fixed point waits for them): never refused for queueing.
                     max_tickets=max(64, 2 * config.max_batch_requests + 2),

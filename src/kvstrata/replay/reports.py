@@ -169,6 +169,7 @@ class TierReport:
             l3=(
                 dict(engine.cache.disk.store.stats().counters)
                 | {f"engine_{k}": v for k, v in asdict(engine.cache.disk.stats).items()}
+                | {"io_mode": engine.cache.disk.store.stats().io_mode}
                 if engine.cache.disk is not None and engine.cache.remote is None
                 else None
             ),
