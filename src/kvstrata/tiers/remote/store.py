@@ -103,7 +103,7 @@ class RemoteStore:
         self._used = 0  # value bytes of this rank's keys, as counted plus written since
         self._reserved = 0  # bytes of writes in flight
         self._counted_at: float | None = None
-        self._budget_lock, self._recount_lock = threading.Lock(), threading.Lock()
+        self._budget_lock = threading.Lock()
         self._io = concurrent.futures.ThreadPoolExecutor(config.threads, "kvstrata-remote")
         self._lookup_io = concurrent.futures.ThreadPoolExecutor(1, "kvstrata-remote-lookup")
         self._count_io = concurrent.futures.ThreadPoolExecutor(1, "kvstrata-remote-count")
@@ -356,21 +356,18 @@ class RemoteStore:
             return self._counting
 
     def _recount(self) -> None:
-        """Count this rank's keys in the store (SCAN; one thread at a time)."""
-        with self._recount_lock:
-            with self._budget_lock:  # another thread may have just counted
-                if self._counted_at is not None and time.monotonic() - self._counted_at < 1.0:
-                    return
-            pattern = rank_pattern(self.namespace, self.rank)
+        """Count this rank's keys in the store (SCAN; on the counting thread only, one at a
+        time: :meth:`_start_recount` submits none while one runs)."""
+        pattern = rank_pattern(self.namespace, self.rank)
 
-            def count(client: RedisClient) -> int:
-                kinds = (key_kind(key) for key in client.scan(pattern))
-                return sum(self._value_len[k] for k in kinds if k is not None and k in self._kinds)
+        def count(client: RedisClient) -> int:
+            kinds = (key_kind(key) for key in client.scan(pattern))
+            return sum(self._value_len[k] for k in kinds if k is not None and k in self._kinds)
 
-            total = self._call(count)
-            with self._budget_lock:
-                self._used, self._counted_at = total, time.monotonic()
-            self.counters.add(recounts=1)
+        total = self._call(count)
+        with self._budget_lock:
+            self._used, self._counted_at = total, time.monotonic()
+        self.counters.add(recounts=1)
 
     def clear(self) -> int:
         """Delete every key of this rank's namespace from the store (every instance's: they
