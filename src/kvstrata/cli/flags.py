@@ -17,6 +17,7 @@ from ..cost import DISK_DEFAULTS, shipped_profiles
 from ..engine import EngineConfig
 from ..model.attention import ATTENTION_BACKENDS
 from ..replay import ReplayConfig, SimLinks
+from ..tiers.disk_config import IO_MODES
 from ..tiers.remote.config import password_from_env
 
 #: Default torch intra-op threads of ``replay``: one, because the engine's per-step ops are small
@@ -208,7 +209,7 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
     )
     p.add_argument(
         "--l3-io",
-        choices=["auto", "direct", "buffered"],
+        choices=IO_MODES,
         default=EngineConfig.l3_io,
         help="how the disk tier reads and writes its slabs: auto (O_DIRECT where the "
         "filesystem allows, else the page cache, with a warning), direct (refuse to start "
