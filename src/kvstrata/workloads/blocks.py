@@ -100,10 +100,6 @@ class BlockExpander:
         self._blocks: OrderedDict[int, TokenArray] = OrderedDict()
         self._gen = np.random.PCG64(0)
 
-    def block(self, hash_id: int) -> TokenArray:
-        """The tokens of block ``hash_id``."""
-        return self.expand([hash_id], self.block_tokens)
-
     def expand(self, hash_ids: list[int], input_length: int) -> TokenArray:
         """The ``input_length`` tokens of a request whose blocks are ``hash_ids``."""
         return self.expand_many([(hash_ids, input_length)])[0]
@@ -144,9 +140,9 @@ class BlockExpander:
         for row, i in enumerate(small):
             gen.state = pcg64_state(words[row])  # type: ignore[assignment]
             raw[i] = gen.random_raw(self.block_tokens)
-        if len(small) < len(new):
-            for i in sorted(set(range(len(new))) - set(small)):
-                raw[i] = np.random.PCG64(new[i]).random_raw(self.block_tokens)
+        for i, h in enumerate(new):  # past 32 bits: numpy's own seeding
+            if not 0 <= h < 1 << 32:
+                raw[i] = np.random.PCG64(h).random_raw(self.block_tokens)
         tokens = raw_to_tokens(raw, self.vocab_size)
         # A row of its own for each: a block kept does not keep the others of its call alive.
         return {h: tokens[i].copy() for i, h in enumerate(new)}
