@@ -258,12 +258,20 @@ class PageRow:
         return kv / statistics.median(r.requests_per_s for r in self.peer_rounds)
 
     @property
+    def reference_ok(self) -> bool:
+        """kvstrata's no-eviction checksum equals the workload's reference."""
+        return self.noevict.checksum == self.reference
+
+    @property
+    def peer_reference_ok(self) -> bool | None:
+        """The peer's no-eviction checksum equals the reference (None without a peer)."""
+        peer = self.peer
+        return None if peer is None else peer.noevict_matched_checksum == self.reference
+
+    @property
     def ok(self) -> bool:
         """Both trees' no-eviction checksums equal the workload's reference."""
-        peer = self.peer
-        return self.noevict.checksum == self.reference and (
-            peer is None or peer.noevict_matched_checksum == self.reference
-        )
+        return self.reference_ok and self.peer_reference_ok is not False
 
 
 def run(args: argparse.Namespace, peer: Path | None) -> list[PageRow]:
@@ -311,7 +319,7 @@ def _row_json(row: PageRow) -> dict[str, object]:
         "noevict_matched_checksum": ne.checksum,
         "noevict_requests_per_s": round(ne.requests_per_s, 1),
         "reference_checksum": row.reference,
-        "reference_ok": ne.checksum == row.reference,
+        "reference_ok": row.reference_ok,
     }
     if peer is not None:
         ratio = row.ratio
@@ -324,7 +332,7 @@ def _row_json(row: PageRow) -> dict[str, object]:
             "peer_evictions": peer.evictions,
             "peer_matched_checksum": peer.matched_checksum,
             "peer_noevict_matched_checksum": peer.noevict_matched_checksum,
-            "peer_reference_ok": peer.noevict_matched_checksum == row.reference,
+            "peer_reference_ok": row.peer_reference_ok,
             "ratio": round(ratio, 4),
         }
     return out
@@ -353,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     for row in rows:
         ev, ne = row.evict, row.noevict
-        ok = "ok" if ne.checksum == row.reference else "MISMATCH"
+        ok = "ok" if row.reference_ok else "MISMATCH"
         line = (
             f"{row.page_size:>5} {ev.requests_per_s:>9.0f} {ev.match_us:>9.1f} "
             f"{ev.insert_us:>10.1f} {ev.evicted_nodes:>14} {ev.evicted_pages:>14} "
@@ -361,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         p = row.peer
         if p is not None:
-            peer_ok = "ok" if p.noevict_matched_checksum == row.reference else "MISMATCH"
+            peer_ok = "ok" if row.peer_reference_ok else "MISMATCH"
             line += (
                 f" {p.requests_per_s:>11.0f} {p.match_us:>11.1f} {p.insert_us:>12.1f} "
                 f"{row.ratio:>6.2f} {peer_ok}"
