@@ -136,7 +136,7 @@ class TierReport:
     l3_hit_tokens: int = 0
     #: the disk store's counters (spills, reads, GC, errors) and, under ``engine_`` keys, what
     #: the engine did with it (its spills, reloads, pages, misses, refusals, hit tokens)
-    l3: dict[str, int] | None = None
+    l3: dict[str, int | str] | None = None  # counters, and the io_mode that ran
     remote: dict[str, int] | None = None  # the shared store's (in L3's place): hits, breaker, ...
     backups_done_pages: int = 0
     backups_skipped_pages: int = 0
@@ -166,13 +166,7 @@ class TierReport:
             loads_failed=loads.stats.failed,
             load_back_wait_ms=round(loads.stats.wait_s * 1e3, 3),
             l3_hit_tokens=engine.hit_tokens[Tier.L3],
-            l3=(
-                dict(engine.cache.disk.store.stats().counters)
-                | {f"engine_{k}": v for k, v in asdict(engine.cache.disk.stats).items()}
-                | {"io_mode": engine.cache.disk.store.stats().io_mode}
-                if engine.cache.disk is not None and engine.cache.remote is None
-                else None
-            ),
+            l3=_disk_counters(engine),
             remote=_remote_counters(engine),
             backups_done_pages=backups.stats.done_pages,
             backups_skipped_pages=backups.stats.skipped_pages,
@@ -235,6 +229,17 @@ class TierReport:
                 f"{self.loads:,} ({self.loads_failed}), {self.load_back_wait_ms:.1f}",
             ),
         ]
+
+
+def _disk_counters(engine: Engine) -> dict[str, int | str] | None:
+    """The disk store's counters, what the engine did with it, and its I/O mode, when it has
+    one (and no shared tier in its place)."""
+    disk = engine.cache.disk
+    if disk is None or engine.cache.remote is not None:
+        return None
+    store = disk.store.stats()
+    engine_counts = {f"engine_{k}": v for k, v in asdict(disk.stats).items()}
+    return dict(store.counters) | engine_counts | {"io_mode": store.io_mode}
 
 
 def _remote_counters(engine: Engine) -> dict[str, int] | None:
