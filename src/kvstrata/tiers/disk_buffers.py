@@ -12,7 +12,10 @@ import ctypes
 import queue
 import threading
 import weakref
+from collections.abc import Iterator, Sequence
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from .disk_events import POLL_S
@@ -38,13 +41,38 @@ class Staging:
         self._buf = aligned_buffer(self.block_bytes * num_blocks)
         self.view = memoryview(self._buf)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        whole = np.frombuffer(self._buf, dtype=np.uint8)
+        #: per payload, every block's slot as one row of an array view (``disk_batch.py``)
+        #: per payload, every block's slot as a memoryview (the buffers of a vectored read)
+        self._views = [
+            [self.view[b * self.block_bytes + off :][:size] for b in range(num_blocks)]
+            for off, size in zip(self.offsets, slot_bytes, strict=True)
+        ]
+        self._rows = [
+            np.lib.stride_tricks.as_strided(
+                whole[off:], shape=(num_blocks, size), strides=(self.block_bytes, 1)
+            )
+            for off, size in zip(self.offsets, slot_bytes, strict=True)
+        ]
         self._free: queue.Queue[int] = queue.Queue(maxsize=num_blocks)
         for b in range(num_blocks):
             self._free.put_nowait(b)
 
+    def slot_start(self, block: int, kind: int) -> int:
+        """Where the slot of ``kind`` in ``block`` starts in :attr:`view`."""
+        return block * self.block_bytes + self.offsets[kind]
+
     def slot(self, block: int, kind: int) -> memoryview:
         start = block * self.block_bytes + self.offsets[kind]
         return self.view[start : start + self.slot_bytes[kind]]
+
+    def slot_views(self, kind: int) -> list[memoryview]:
+        """Every block's slot of ``kind`` (block ``b`` at ``[b]``; do not modify the list)."""
+        return self._views[kind]
+
+    def rows(self, kind: int) -> npt.NDArray[np.uint8]:
+        """``[num_blocks, slot bytes]``: every block's slot of ``kind``, a view (writable)."""
+        return self._rows[kind]
 
     def payload_address(self, block: int, kind: int) -> int:
         """Where the payload of ``kind`` starts in ``block`` (past its slot header)."""
@@ -104,6 +132,47 @@ class HostPages:
                 parts.append((bases, stride, offset, nbytes))
             assert sum(p[3] for p in parts) == layers * host_pool.page_geometry(spec.name, 0)[2]
             self._parts.append(parts)
+        # per payload, per slab: each extent's pages as rows of an array view (``rows``)
+        self._arrays: list[list[list[npt.NDArray[np.uint8]]]] = []
+        for spec in host_pool.layout.payloads:
+            layers = host_pool.layout.layers(spec)
+            per_slab = []
+            for slab in range(host_pool.num_slabs):
+                start, stop = host_pool.slab_bounds(slab)
+                views = []
+                for layer in range(1 if page_first else layers):
+                    stride, offset, nbytes = host_pool.page_geometry(spec.name, layer)
+                    if page_first:
+                        nbytes *= layers
+                    flat = host_pool.slab_tensor(spec.name, layer, slab).view(-1).view(torch.uint8)
+                    views.append(
+                        np.lib.stride_tricks.as_strided(
+                            flat.numpy()[offset:], shape=(stop - start, nbytes), strides=(stride, 1)
+                        )
+                    )
+                per_slab.append(views)
+            self._arrays.append(per_slab)
+
+    def payload_bytes(self, kind: int) -> int:
+        return sum(p[3] for p in self._parts[kind])
+
+    def rows(
+        self, kind: int, host_slots: Sequence[int]
+    ) -> Iterator[tuple[npt.NDArray[np.int64] | None, npt.NDArray[np.int64], list[HostRows]]]:
+        """``host_slots`` by host slab: ``(which of them, None for all; their rows in the slab;
+        the slab's extents as ``(array view [rows, bytes], bytes)`` in payload order)``."""
+        slots = np.asarray(host_slots, dtype=np.int64)
+        assert slots.size == 0 or (slots.min() >= 0 and slots.max() < self.num_slots)
+        slabs, rows = np.divmod(slots, self.slots_per_slab)
+        arrays = self._arrays[kind]
+        if slabs.size and slabs.min() == slabs.max():
+            views = arrays[int(slabs[0])]
+            yield None, rows, [(v, v.shape[1]) for v in views]
+            return
+        for slab in np.unique(slabs):
+            sel = np.flatnonzero(slabs == slab)
+            views = arrays[int(slab)]
+            yield sel, rows[sel], [(v, v.shape[1]) for v in views]
 
     def extents(self, kind: int, host_slot: int) -> list[tuple[int, int]]:
         assert 0 <= host_slot < self.num_slots
@@ -113,6 +182,9 @@ class HostPages:
             for bases, stride, offset, nbytes in self._parts[kind]
         ]
 
+
+#: One extent of a host slab's pages: an array view ``[rows, bytes]`` and its bytes per row.
+HostRows = tuple[npt.NDArray[np.uint8], int]
 
 _HOST_PAGES: weakref.WeakKeyDictionary[HostPool, HostPages] = weakref.WeakKeyDictionary()
 _HOST_PAGES_LOCK = threading.Lock()

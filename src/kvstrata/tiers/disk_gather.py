@@ -16,9 +16,9 @@ import queue
 import threading
 from typing import NamedTuple
 
-from .disk_buffers import Staging, host_pages
+from .disk_batch import from_host, write_headers
+from .disk_buffers import HostPages, Staging, host_pages
 from .disk_events import POLL_S, Events
-from .disk_format import SLOT_HEADER_BYTES, SlotHeader, crc32c
 from .disk_plan import SpillJob, SpillPlanner
 from .disk_slots import SlotPool
 from .page_hash import Namespace
@@ -122,27 +122,47 @@ class Gatherer:
         copied = 0
         for batch in job.batches:
             chunk: list[Staged] = []
+            # the pages of ``chunk`` copied to staging together: (block, host slot, hash)
+            blocks: list[int] = []
+            host_slots: list[int] = []
+            hashes: list[bytes] = []
             for h, host_slot, slot in batch:
                 if slot < 0:
                     chunk.append(Staged(job, h, -1, None))
                     continue
                 block = None if self.stop.is_set() else self.staging.acquire(self.stop)
                 if block is not None:
-                    assert pages is not None
-                    for kind in range(self.num_payloads):
-                        self.staging.gather(block, kind, pages.extents(kind, host_slot))
-                        view = self.staging.slot(block, kind)
-                        body = view[SLOT_HEADER_BYTES : SLOT_HEADER_BYTES + self.payload_len[kind]]
-                        SlotHeader(kind, h, self.payload_len[kind], crc32c(body)).pack_into(view)
-                copied += 1
-                if copied == writes:
-                    self.events.release(job)  # before the last page reaches the writer
+                    blocks.append(block)
+                    host_slots.append(host_slot)
+                    hashes.append(h)
                 chunk.append(Staged(job, h, slot, block))
-                if len(chunk) >= self.chunk_pages:
-                    self.staged.put_nowait(Chunk(chunk))
-                    chunk = []
+                copied += 1
+                if len(chunk) >= self.chunk_pages or copied == writes:
+                    self._copy(pages, blocks, host_slots, hashes)
+                    blocks, host_slots, hashes = [], [], []
+                    if copied == writes:
+                        self.events.release(job)  # before the last page reaches the writer
+                    if len(chunk) >= self.chunk_pages:
+                        self.staged.put_nowait(Chunk(chunk))
+                        chunk = []
+            self._copy(pages, blocks, host_slots, hashes)
             if chunk:
                 self.staged.put_nowait(Chunk(chunk))
             self.staged.put_nowait(Commit(job))
         if not job.released:
             self.events.release(job)
+
+    def _copy(
+        self,
+        pages: HostPages | None,
+        blocks: list[int],
+        host_slots: list[int],
+        hashes: list[bytes],
+    ) -> None:
+        """Copy host pages into staging blocks and write their slot headers (``disk_batch``)."""
+        if not blocks:
+            return
+        assert pages is not None
+        for kind in range(self.num_payloads):
+            from_host(self.staging, kind, blocks, pages, host_slots)
+            write_headers(self.staging, kind, blocks, hashes, self.payload_len[kind])

@@ -130,10 +130,7 @@ class SpillPlanner:
     def touch(self, page_hashes: Iterable[bytes]) -> None:
         """Accesses: pages among ``page_hashes`` that are on disk or being written become the
         most recently used."""
-        for h in page_hashes:
-            found = self.pool.touch(h)
-            if found is not None:
-                self.dirty[h] = found[0]
+        self.dirty.update(self.pool.touch_many(page_hashes))
 
     def present(self, page_hash: bytes) -> bool:
         """Whether a page the index holds is still there as far as the plans go (GC may have

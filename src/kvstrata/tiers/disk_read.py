@@ -32,9 +32,10 @@ from collections.abc import Callable, Sequence
 
 import lmdb
 
+from .disk_batch import check_slots, to_host
 from .disk_buffers import HostPages, Staging, host_pages
 from .disk_events import Counters, RateLimitedLog
-from .disk_format import MAX_RUN_SLOTS, check_slot
+from .disk_format import MAX_RUN_SLOTS
 from .disk_layout import Slab, stripe_runs
 from .host_pool import HostPool
 from .page_hash import Namespace
@@ -232,14 +233,13 @@ class PageReader:
         n = len(hashes)
         results: list[_Result] = [None] * n
         checks: list[str | None] = [None] * n  # why a slot that was read does not check out
+        blocks = range(n)
         for k, slab in enumerate(self._slabs):
-            views = [buf.slot(b, k) for b in range(n)]
-            self._read_views(slab, slots, views, results)
-            for b, view in enumerate(views):
-                if results[b] is None and checks[b] is None:
-                    why = check_slot(view, k, hashes[b], self._payload_len[k])
-                    if why is not None:
-                        checks[b] = f"payload {self.namespace.payloads[k].name}: {why}"
+            self._read_views(slab, slots, buf.slot_views(k)[:n], results)
+            verdicts = check_slots(buf, k, blocks, hashes, self._payload_len[k])
+            for b, why in enumerate(verdicts):
+                if why is not None and results[b] is None and checks[b] is None:
+                    checks[b] = f"payload {self.namespace.payloads[k].name}: {why}"
         # The bytes are a page's own unless GC freed and rewrote its slot meanwhile, which needs
         # the entry gone first: an entry still there after the read vouches for them. GC may
         # also have reused the slot of a page that does not check out: that is a race, not
@@ -255,14 +255,13 @@ class PageReader:
             elif (why := checks[b]) is not None:
                 results[b] = ("verify_failures", why)
         with gate.lock:
-            for b in range(n):
-                if results[b] is not None:
-                    continue
-                if gate.closed:
-                    results[b] = ("read_errors", "the read gave up on it before it landed")
-                    continue
-                for k in range(len(self._slabs)):
-                    buf.scatter(b, k, pages.extents(k, host_slots[b]))
+            if gate.closed:
+                gave_up = ("read_errors", "the read gave up on it before it landed")
+                return [r if r is not None else gave_up for r in results]
+            good = [b for b in range(n) if results[b] is None]
+            targets = [host_slots[b] for b in good]
+            for k in range(len(self._slabs)):
+                to_host(buf, k, good, pages, targets)
         return results
 
     @staticmethod

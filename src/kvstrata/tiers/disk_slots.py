@@ -16,16 +16,20 @@ being written is never a victim. Callers hold the store's state lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
 
 from ..errors import PoolInvariantError
 
 
-class _Entry(NamedTuple):
-    slot: int
-    last_access: int
-    live: bool  # False while its write is in flight
+class _Entry:
+    """A used slot's page: changed in place by touch and publish (no new object per access)."""
+
+    __slots__ = ("slot", "last_access", "live")
+
+    def __init__(self, slot: int, last_access: int, live: bool) -> None:
+        self.slot = slot
+        self.last_access = last_access
+        self.live = live  # False while its write is in flight
 
 
 class SlotPool:
@@ -122,7 +126,7 @@ class SlotPool:
         """The page's index entries are committed: its slot is live. Returns its last_access."""
         entry = self._pages[page_hash]
         assert not entry.live, "a page is published twice"
-        self._pages[page_hash] = entry._replace(live=True)
+        entry.live = True
         self._num_writing -= 1
         return entry.last_access
 
@@ -133,9 +137,23 @@ class SlotPool:
         if found is None:
             return None
         self.clock += 1
-        self._pages[page_hash] = found._replace(last_access=self.clock)
+        found.last_access = self.clock
         self._pages.move_to_end(page_hash)
         return found.slot, self.clock
+
+    def touch_many(self, page_hashes: Iterable[bytes]) -> list[tuple[bytes, int]]:
+        """:meth:`touch` of each of ``page_hashes`` in order; ``(hash, slot)`` of those found."""
+        pages, out = self._pages, []
+        clock = self.clock
+        for h in page_hashes:
+            found = pages.get(h)
+            if found is not None:
+                clock += 1
+                found.last_access = clock
+                pages.move_to_end(h)
+                out.append((h, found.slot))
+        self.clock = clock
+        return out
 
     def remove(self, page_hash: bytes) -> int:
         """The page's index entries are (being) deleted: free its slot (returned)."""
