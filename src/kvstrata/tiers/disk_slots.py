@@ -75,6 +75,16 @@ class SlotPool:
         found = self._pages.get(page_hash)
         return found.slot if found is not None and not found.live else None
 
+    def slots_of(self, page_hashes: Sequence[bytes]) -> list[int | None]:
+        """:meth:`slot_of` of each of ``page_hashes``."""
+        get = self._pages.get
+        return [e.slot if (e := get(h)) is not None and e.live else None for h in page_hashes]
+
+    def any_writing(self, page_hashes: Sequence[bytes]) -> bool:
+        """Whether any of ``page_hashes`` is being written."""
+        get = self._pages.get
+        return any((e := get(h)) is not None and not e.live for h in page_hashes)
+
     def leading(self, page_hashes: Sequence[bytes]) -> int:
         """How many of ``page_hashes``, from the first, are live or being written."""
         pages = self._pages
@@ -143,15 +153,17 @@ class SlotPool:
 
     def touch_many(self, page_hashes: Iterable[bytes]) -> list[tuple[bytes, int]]:
         """:meth:`touch` of each of ``page_hashes`` in order; ``(hash, slot)`` of those found."""
-        pages, out = self._pages, []
+        pages = self._pages
+        out: list[tuple[bytes, int]] = []
+        get, to_end, add = pages.get, pages.move_to_end, out.append
         clock = self.clock
         for h in page_hashes:
-            found = pages.get(h)
+            found = get(h)
             if found is not None:
                 clock += 1
                 found.last_access = clock
-                pages.move_to_end(h)
-                out.append((h, found.slot))
+                to_end(h)
+                add((h, found.slot))
         self.clock = clock
         return out
 

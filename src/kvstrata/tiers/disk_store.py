@@ -320,7 +320,7 @@ class DiskStore:
             with self._state_lock:
                 if page_hashes is None:
                     return self.pool.num_writing == 0
-                return all(self.pool.writing_slot(h) is None for h in page_hashes)
+                return not self.pool.any_writing(page_hashes)
 
         with ev.cond:
             return (
@@ -352,12 +352,13 @@ class DiskStore:
         """The reader's look at the slot pool: each live page's slot (None where absent or
         still being written)."""
         with self._state_lock:
-            return [self.pool.slot_of(h) for h in page_hashes]
+            return self.pool.slots_of(page_hashes)
 
     def _holds(self, page_hashes: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
         """The reader's check after a read: each page still holds its slot in the pool."""
         with self._state_lock:
-            return [self.pool.slot_of(h) == s for h, s in zip(page_hashes, slots, strict=True)]
+            found = self.pool.slots_of(page_hashes)
+            return [f == s for f, s in zip(found, slots, strict=True)]
 
     def touch(self, page_hashes: Sequence[bytes]) -> None:
         """Mark pages recently used (GC takes the least recently used first), at once: the
