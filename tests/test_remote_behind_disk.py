@@ -1,0 +1,241 @@
+"""The shared tier behind the disk (``--l3-dir`` and ``--remote`` together: L1 -> L2 -> L3 disk
+-> Redis): a second instance with an empty disk serves the first one's prefixes from the shared
+store, pages the disk's GC dropped come back from it, a disk page that fails verification is
+fetched from it instead, the same replay twice gives the same counts, and a dead store leaves
+the disk serving, counted, never a hang."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from disk_rig import engine_counts
+from helpers import run_all
+from redis_rig import RedisServer
+
+from kvstrata.engine import Engine, EngineConfig
+from kvstrata.model.compute import SyntheticCompute, synthetic_payload
+from kvstrata.residency import Tier
+from kvstrata.tiers.disk_format import SlabFile
+from kvstrata.tiers.remote.behind_disk import RemoteBehindDisk
+from kvstrata.workloads import Request, builtin
+
+
+def config(tmp: Path, url: str, disk: str = "l3", **kw: object) -> EngineConfig:
+    base = {
+        "page_size": 16,
+        "pool_tokens": 640,
+        "chunk_size": 64,
+        "max_batch_tokens": 128,
+        "max_batch_requests": 4,
+        "l2_tokens": 640,
+        "l3_dir": str(tmp / disk),
+        "l3_gib": 0.05,
+        "remote_url": url,
+        "remote_gib": 0.05,
+        "remote_timeout_ms": 300.0,
+        **kw,
+    }
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+def engine(cfg: EngineConfig) -> Engine:
+    return Engine(SyntheticCompute(8, 4096), cfg, model_id="none:8")
+
+
+def pair(e: Engine) -> dict[str, int]:
+    """What the disk + shared store pair counted."""
+    store = e.cache.disk.store if e.cache.disk is not None else None
+    assert isinstance(store, RemoteBehindDisk)
+    return store.counters.snapshot()
+
+
+def exact(out: dict[int, Any], requests: list[Request]) -> None:
+    for r in requests:
+        expected = synthetic_payload(torch.from_numpy(r.tokens.astype(np.int64)), 8)
+        f = out[r.rid]
+        assert f.error is None and torch.equal(f.payload, expected), r.rid
+
+
+def one_by_one(e: Engine, requests: list[Request]) -> dict[int, Any]:
+    """Each request alone (a step's reloads would otherwise compete for the small L2)."""
+    out: dict[int, Any] = {}
+    for r in requests:
+        out |= run_all(e, [r], check=True)
+    return out
+
+
+def evicting(n: int, tokens: int = 160, start: int = 1) -> list[Request]:
+    """``n`` prompts of ``tokens`` tokens, no two sharing a page."""
+    return [
+        Request(i, np.arange(start + i * tokens, start + (i + 1) * tokens, dtype=np.uint32))
+        for i in range(n)
+    ]
+
+
+def test_a_second_instance_with_an_empty_disk_hits_the_first_ones_prefix(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    prompt = np.arange(1, 401, dtype=np.uint32)
+    first = engine(config(tmp_path, redis_server.url, "a"))
+    try:
+        run_all(first, [Request(0, prompt)], check=True)
+    finally:
+        first.close()
+    assert first.cache.disk_store is not None
+    assert first.cache.disk_store.stats().pages_written == 25
+    assert first.cache.remote is not None and first.cache.remote.stats().pages_written == 25
+    # Its own disk, empty, and its own L2: every page comes from the shared store.
+    second = engine(config(tmp_path, redis_server.url, "b"))
+    longer = np.concatenate([prompt, [7, 8, 9]]).astype(np.uint32)
+    second.keep_logits = {1}
+    try:
+        out = run_all(second, [Request(1, longer)], check=True)
+    finally:
+        second.close()
+    assert out[1].cached_len == 400 and second.hit_tokens[Tier.L3] == 400
+    exact(out, [Request(1, longer)])
+    assert second.cache.remote is not None
+    remote = second.cache.remote.stats()
+    assert remote.hits == 25 and remote.misses == 0 and remote.verify_failures == 0
+    counts = pair(second)
+    assert counts["reloaded_from_remote"] == 25 and counts["reloaded_from_disk"] == 0
+    assert second.cache.disk_store is not None
+    assert second.cache.disk_store.stats().pages_read == 0
+
+
+def _two_passes(cfg: EngineConfig, n: int = 16) -> tuple[Engine, dict[int, int]]:
+    """``n`` prompts of 10 pages, then the same again one at a time: the engine, and every
+    request's cached tokens (payloads checked)."""
+    requests = evicting(n)
+    again = [Request(100 + r.rid, r.tokens) for r in requests]
+    e = engine(cfg)
+    e.keep_logits = {r.rid for r in requests + again}
+    try:
+        out = run_all(e, requests, check=True)
+        out |= one_by_one(e, again)
+    finally:
+        e.close()
+    exact(out, requests + again)
+    return e, {rid: f.cached_len for rid, f in out.items()}
+
+
+def test_pages_the_disk_dropped_come_back_from_the_shared_store(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A disk of 25 slots under 16 prompts of 10 pages drops most of them (GC); with the shared
+    store behind it, the second pass hits as a disk that kept everything does."""
+    small = {"pool_tokens": 320, "l2_tokens": 320, "l3_gib": 0.0001}
+    e, cached = _two_passes(config(tmp_path, redis_server.url, "a", **small))
+    _, alone = _two_passes(config(tmp_path, redis_server.url, "b", **small, remote_url=None))
+    _, large = _two_passes(
+        config(tmp_path, redis_server.url, "c", **small | {"l3_gib": 0.05}, remote_url=None)
+    )
+    assert cached == large and sum(cached.values()) > sum(alone.values())
+    assert e.cache.disk_store is not None and e.cache.disk_store.stats().gc_reclaimed > 0
+    counts = pair(e)
+    assert counts["reloaded_from_remote"] > 0
+    assert e.hit_tokens[Tier.L3] > 0
+
+
+def test_a_disk_page_that_fails_verification_is_fetched_from_the_shared_store(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    requests = evicting(6)
+    again = [Request(100 + r.rid, r.tokens) for r in requests[:2]]
+    e = engine(config(tmp_path, redis_server.url, pool_tokens=320, l2_tokens=320))
+    e.keep_logits = {r.rid for r in requests + again}
+    try:
+        out = run_all(e, requests, check=True)
+        # From now on every slot the disk reads has a flipped payload byte (a bit rot).
+        read_one, read_run = SlabFile.read_slot, SlabFile.read_slots
+
+        def one(self: SlabFile, slot: int, buf: memoryview) -> Any:
+            got = read_one(self, slot, buf)
+            buf[100] ^= 0xFF
+            return got
+
+        def run(self: SlabFile, first: int, bufs: list[memoryview]) -> Any:
+            got = read_run(self, first, bufs)
+            for buf in bufs:
+                buf[100] ^= 0xFF
+            return got
+
+        monkeypatch.setattr(SlabFile, "read_slot", one)
+        monkeypatch.setattr(SlabFile, "read_slots", run)
+        out |= one_by_one(e, again)
+    finally:
+        e.close()
+    exact(out, requests + again)
+    assert e.cache.disk_store is not None and e.cache.disk_store.stats().verify_failures > 0
+    counts = pair(e)
+    assert counts["disk_retried"] > 0 and counts["reloaded_from_remote"] > 0
+    assert counts["reloaded_from_disk"] == 0
+    assert sum(out[r.rid].cached_len for r in again) == sum(len(r.tokens) - 16 for r in again)
+
+
+def _counts(tmp: Path, server: RedisServer, requests: list[Request]) -> dict[str, object]:
+    server.cli("flushall")
+    cfg = config(tmp, server.url, pool_tokens=320, l2_tokens=320, l3_gib=0.0002)
+    e = engine(cfg)
+    try:
+        e.run(requests)
+    finally:
+        e.close()
+    assert e.cache.remote is not None
+    remote = e.cache.remote.stats()
+    return engine_counts(e) | {
+        "pair": pair(e),
+        "remote": (remote.pages_written, remote.hits, remote.misses, remote.lookup_found),
+    }
+
+
+def test_the_same_replay_twice_gives_identical_counts(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    requests = builtin(1000, seed=3, n_requests=120)
+    first = _counts(tmp_path / "a", redis_server, requests)
+    second = _counts(tmp_path / "b", redis_server, requests)
+    assert first == second
+    assert first["hit_tokens"][Tier.L3] > 0  # type: ignore[index]
+    assert first["pair"]["reloaded_from_remote"] > 0  # type: ignore[index]
+
+
+def test_a_dead_store_leaves_the_disk_serving_counted_never_a_hang(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The store is killed after the first 6 prompts: the rest, and the first 4 again, finish
+    with exact bytes and hit as with the disk alone, the faults counted, no hang."""
+    requests = evicting(12)
+    again = [Request(100 + r.rid, r.tokens) for r in requests[:4]]
+    small = {"pool_tokens": 320, "l2_tokens": 320}
+    e = engine(config(tmp_path, redis_server.url, "a", **small))
+    e.keep_logits = {r.rid for r in requests + again}
+    try:
+        out = run_all(e, requests[:6], check=True)
+        redis_server.kill()
+        t0 = time.monotonic()
+        out |= run_all(e, requests[6:], check=True)
+        out |= one_by_one(e, again)
+        elapsed = time.monotonic() - t0
+    finally:
+        e.close()
+    exact(out, requests + again)
+    assert elapsed < 15, elapsed
+    alone = engine(config(tmp_path, redis_server.url, "b", **small, remote_url=None))
+    try:
+        base = run_all(alone, requests, check=True) | one_by_one(alone, again)
+    finally:
+        alone.close()
+    assert {r: f.cached_len for r, f in out.items()} == {r: f.cached_len for r, f in base.items()}
+    assert e.cache.remote is not None
+    remote = e.cache.remote.stats()
+    assert remote.connection_errors >= 1 and remote.breaker_opens >= 1
+    assert remote.hits == 0 and remote.verify_failures == 0
+    counts = pair(e)
+    assert counts["reloaded_from_disk"] > 0 and counts["reloaded_from_remote"] == 0
+    assert e.hit_tokens[Tier.L3] == alone.hit_tokens[Tier.L3] > 0
