@@ -239,3 +239,41 @@ def test_a_dead_store_leaves_the_disk_serving_counted_never_a_hang(
     counts = pair(e)
     assert counts["reloaded_from_disk"] > 0 and counts["reloaded_from_remote"] == 0
     assert e.hit_tokens[Tier.L3] == alone.hit_tokens[Tier.L3] > 0
+
+
+def test_a_replay_reports_the_disk_and_the_shared_store_apart(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    from test_metrics import Scraper, value
+
+    from kvstrata.replay import ReplayConfig, run_replay
+
+    scraper = Scraper(at_step=-1)
+    cfg = ReplayConfig(
+        workload="builtin",
+        model="none",
+        kv_width=8,
+        vocab_size=1000,
+        engine=config(tmp_path, redis_server.url, pool_tokens=320, l2_tokens=320, l3_gib=0.0002),
+        metrics_port=0,
+    )
+    summary = run_replay(cfg, progress=False, observers=[scraper])
+    doc = summary.to_json()
+    l3, remote = doc["tiers"]["l3"], doc["tiers"]["remote"]
+    assert l3["pages_written"] > 0 and l3["io_mode"] in ("direct", "buffered")
+    assert remote["pages_written"] > 0 and remote["hits"] > 0
+    assert remote["reloaded_pages"] == l3["engine_from_remote_pages"] > 0
+    assert l3["engine_reloaded_pages"] >= l3["engine_from_disk_pages"] + remote["reloaded_pages"]
+    assert doc["config"]["l3_dir"] and doc["config"]["remote"] == redis_server.url
+    table = summary.table()
+    assert "disk: spilled / reloaded pages" in table and "remote: published" in table
+    assert "L3 reloaded pages from disk / remote" in table
+    end = scraper.end
+    assert value(end, "kvstrata_pages_total", tier="l3", lane="0") > 0
+    assert value(end, "kvstrata_pages_total", tier="remote", lane="0") > 0
+    assert value(end, "kvstrata_disk_total", event="hit_tokens") == doc["hit_tokens_by_tier"]["l3"]
+    # scraped before the summary: the last spill may still be writing then
+    assert (
+        0 < value(end, "kvstrata_disk_store_total", counter="pages_written") <= l3["pages_written"]
+    )
+    assert value(end, "kvstrata_remote_store_total", counter="hits") == remote["hits"]
