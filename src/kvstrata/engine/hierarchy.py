@@ -543,6 +543,10 @@ def _open_remote(config: EngineConfig, namespace: Namespace, rank: int) -> Remot
         timeout_s=config.remote_timeout_ms / 1e3,
         min_hits=config.remote_min_hits,
         password=config.remote_password,
+        # As for the disk: one publish per step, and per reload (at most a step's admissions,
+        # all finished at the fixed point) a fetch past the disk's pages and a retry of those
+        # the disk failed: never refused for queueing.
+        max_tickets=max(64, 2 * config.max_batch_requests + 2),
     )
     return RemoteStore(namespace, rank, remote)
 
