@@ -11,13 +11,15 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import disk_rig
 import numpy as np
 import pytest
 import torch
-from disk_rig import engine_counts
+from disk_rig import NS, engine_counts
 from helpers import run_all
 from redis_rig import RedisServer
 
@@ -26,6 +28,9 @@ from kvstrata.model.compute import SyntheticCompute, synthetic_payload
 from kvstrata.residency import Tier
 from kvstrata.tiers.disk_format import SlabFile
 from kvstrata.tiers.remote.behind_disk import RemoteBehindDisk
+from kvstrata.tiers.remote.config import RemoteConfig
+from kvstrata.tiers.remote.store import RemoteStore
+from kvstrata.tiers.remote.tier import RemotePages
 from kvstrata.workloads import Request, builtin
 
 
@@ -79,6 +84,81 @@ def evicting(n: int, tokens: int = 160, start: int = 1) -> list[Request]:
         Request(i, np.arange(start + i * tokens, start + (i + 1) * tokens, dtype=np.uint32))
         for i in range(n)
     ]
+
+
+@pytest.fixture
+def stores(redis_server: RedisServer, tmp_path: Path) -> Iterator[RemoteBehindDisk]:
+    """A disk store of 100 pages with a shared store behind it (the disk rig's namespace)."""
+    remote = RemoteStore(NS, 0, RemoteConfig(redis_server.url, 1 << 26, timeout_s=0.3))
+    both = RemoteBehindDisk(disk_rig.open_store(tmp_path / "disk"), RemotePages(remote))
+    try:
+        yield both
+    finally:
+        both.close()
+
+
+def _reload(both: RemoteBehindDisk, ticket: int, pages: list[bytes], pool: Any) -> tuple[bool, ...]:
+    assert both.reload(ticket, pages, pool, list(range(len(pages))))
+    assert both.flush(30)
+    done = both.poll().reloaded
+    assert [d.ticket for d in done] == [ticket]
+    both.check()
+    return done[0].ok
+
+
+def test_the_pair_finds_and_reads_the_longest_prefix_across_both(
+    stores: RemoteBehindDisk,
+) -> None:
+    h = disk_rig.hashes(10)
+    disk_rig.spill_all(stores.disk, disk_rig.host_pool(), h[:4], ticket=1)
+    pool = disk_rig.host_pool()
+    for slot, page in enumerate(h):
+        disk_rig.write_page(pool, slot, page)
+    remote = stores.remote.remote
+    assert remote.publish(2, [(page, slot, 1) for slot, page in enumerate(h[:8])], pool)
+    assert remote.flush(30)
+    remote.poll()
+    assert stores.lookup(h) == 8 and stores.lookup(h[:3]) == 3 and stores.lookup(h[8:]) == 0
+    into = disk_rig.host_pool()
+    assert _reload(stores, 3, h[:8], into) == (True,) * 8
+    assert all(disk_rig.read_page(into, i) == disk_rig.expected_page(into, h[i]) for i in range(8))
+    c = stores.counters.snapshot()
+    assert (c["disk_pages"], c["remote_pages"], c["reloads_split"]) == (4, 4, 1)
+    assert (c["reloaded_from_disk"], c["reloaded_from_remote"]) == (4, 4)
+    # A disk that refuses the read: every page is asked of the shared store.
+    stores.disk.reload = lambda *args: False  # type: ignore[method-assign]
+    assert _reload(stores, 4, h[:8], disk_rig.host_pool()) == (True,) * 8
+    c = stores.counters.snapshot()
+    assert c["disk_refused"] == 1 and c["reloaded_from_remote"] == 4 + 8
+    # Nothing to read on this rank (under CP it may own none of the pages): the disk answers.
+    del stores.disk.reload
+    assert _reload(stores, 5, [], disk_rig.host_pool()) == ()
+
+
+def test_a_spill_goes_to_both_and_is_released_once_neither_reads_it(
+    stores: RemoteBehindDisk,
+) -> None:
+    h = disk_rig.hashes(6, seed=1)
+    pool = disk_rig.host_pool()
+    for slot, page in enumerate(h):
+        disk_rig.write_page(pool, slot, page)
+    assert stores.spill(1, [(page, slot, 1) for slot, page in enumerate(h[:3])], pool)
+    assert stores.flush(30)
+    news = stores.poll()
+    assert news.released == (1,) and [d.ticket for d in news.spilled] == [1]
+    assert stores.disk.lookup(h[:3]) == 3 and stores.remote.lookup(h[:3]) == 3
+    # The disk refuses: the shared store still takes the pages, released once it sent them.
+    stores.disk.spill = lambda *args: False  # type: ignore[method-assign]
+    assert stores.spill(2, [(page, slot, 1) for slot, page in enumerate(h)][3:], pool)
+    assert stores.flush(30)
+    assert stores.poll().released == (2,)
+    assert stores.remote.lookup(h) == 6 and stores.disk.lookup(h[3:]) == 0
+    assert stores.counters.snapshot()["spills_remote_only"] == 1
+    stores.check()
+    # Both refuse: nothing holds the host slots.
+    stores.remote.spill = lambda *args: False  # type: ignore[method-assign]
+    assert not stores.spill(3, [(h[0], 0, 1)], pool)
+    assert stores.poll().released == ()
 
 
 def test_a_second_instance_with_an_empty_disk_hits_the_first_ones_prefix(
