@@ -161,11 +161,11 @@ def test_a_dead_store_is_counted_misses_never_a_hang(tmp_path: Path) -> None:
 def test_remote_configuration_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="L2"):
         EngineConfig(remote_url="redis://h:1", remote_gib=1.0)
-    with pytest.raises(ConfigError, match="--remote or --l3-dir"):
-        EngineConfig(
-            l2_tokens=1024, remote_url="redis://h:1", remote_gib=1.0, l3_dir=str(tmp_path),
-            l3_gib=1.0,
-        )  # fmt: skip
+    # both at once: the shared store behind the disk (tests/test_remote_behind_disk.py)
+    both = EngineConfig(
+        l2_tokens=1024, remote_url="redis://h:1", remote_gib=1.0, l3_dir=str(tmp_path), l3_gib=1.0
+    )
+    assert both.l3_dirs == (str(tmp_path),) and both.remote_url == "redis://h:1"
     with pytest.raises(ConfigError, match="remote-gib"):
         EngineConfig(l2_tokens=1024, remote_url="redis://h:1", remote_gib=0.0)
     with pytest.raises(ConfigError, match="must look like"):

@@ -36,7 +36,6 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import ConfigError
-from .tiers.disk_config import DiskStats
 from .tiers.tickets import TicketKind
 
 if TYPE_CHECKING:
@@ -159,36 +158,47 @@ class CacheMetrics:
         return [*out, steps, clock, *disk]
 
     def _disk(self, counter: Any, used: Any, total: Any) -> list[Metric]:
-        """The disk tier (L3), when the engine has one: its slots as a tier's pages, what the
-        engine did with it, and the store's own counters (I/O, verification, GC)."""
-        disk = self.engine.cache.disk
-        if disk is None:
+        """The tiers behind L2, when the engine has them: the disk's slots and the shared
+        store's budget as tiers' pages, what the engine did with L3 (under the disk's name, or
+        the shared store's in its place), and each store's own counters."""
+        cache = self.engine.cache
+        if cache.disk is None:
             return []
-        store = disk.store.stats()
-        tier = "disk"
-        if isinstance(store, DiskStats):
-            used.add_metric(["l3", "0"], store.used_slots)
-            total.add_metric(["l3", "0"], store.num_slots)
-        else:  # the shared store in the disk's place: its pages of this rank's budget
-            tier = "remote"
-            used.add_metric(["remote", "0"], store.used_bytes // store.page_bytes)
-            total.add_metric(["remote", "0"], store.budget_bytes // store.page_bytes)
+        tier = "disk" if cache.disk_store is not None else "remote"
         engine = counter(
             f"{NAMESPACE}_{tier}", f"What the engine did with the {tier} tier.", labels=["event"]
         )
-        for name, value in asdict(disk.stats).items():
+        for name, value in asdict(cache.disk.stats).items():
             engine.add_metric([name], value)
-        own = counter(
-            f"{NAMESPACE}_{tier}_store",
-            "The disk store's counters: I/O, verification failures, GC."
-            if tier == "disk"
-            else "The shared store's counters: hits, misses, verification failures, timeouts, "
-            "breaker opens, writes skipped.",
-            labels=["counter"],
-        )
-        for name, value in sorted(store.counters.items()):
-            own.add_metric([name], value)
-        return [engine, own]
+        out = [engine]
+        if cache.disk_store is not None:
+            disk = cache.disk_store.stats()
+            used.add_metric(["l3", "0"], disk.used_slots)
+            total.add_metric(["l3", "0"], disk.num_slots)
+            out.append(
+                _store_counters(
+                    counter, "disk", "The disk store's counters: I/O, verification failures, GC.",
+                    disk.counters,
+                )
+            )  # fmt: skip
+        if cache.remote is not None:  # its pages of this rank's budget
+            remote = cache.remote.stats()
+            used.add_metric(["remote", "0"], remote.used_bytes // remote.page_bytes)
+            total.add_metric(["remote", "0"], remote.budget_bytes // remote.page_bytes)
+            out.append(
+                _store_counters(
+                    counter, "remote", "The shared store's counters: hits, misses, verification "
+                    "failures, timeouts, breaker opens, writes skipped.", remote.counters,
+                )
+            )  # fmt: skip
+        return out
+
+
+def _store_counters(counter: Any, tier: str, doc: str, counts: dict[str, int]) -> Any:
+    own = counter(f"{NAMESPACE}_{tier}_store", doc, labels=["counter"])
+    for name, value in sorted(counts.items()):
+        own.add_metric([name], value)
+    return own
 
 
 def _lanes(used: Any, total: Any, tier: str, allocator: PageAllocator) -> None:

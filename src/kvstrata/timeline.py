@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from .tiers.disk_store import DiskStore
-
 if TYPE_CHECKING:
     from .replay import ReplayRun
 
@@ -59,8 +57,7 @@ class Timeline:
         engine = run.engine
         self.l1_pages = engine.cache.allocator.num_pages
         self.l2_pages = engine.cache.host_allocator.num_pages if engine.cache.host_allocator else 0
-        store = engine.cache.disk.store if engine.cache.disk is not None else None
-        self._disk = store if isinstance(store, DiskStore) else None  # the shared tier has none
+        self._disk = engine.cache.disk_store  # the shared tier in its place has none
         self.l3_pages = self._disk.num_slots if self._disk is not None else 0
         self.clock_kind = run.clock.kind
         self._record(run)

@@ -228,9 +228,10 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         "--remote",
         default=EngineConfig.remote_url,
         metavar="URL",
-        help="the shared tier in L3's place: a Redis store a fleet of instances shares, "
+        help="the shared tier: a Redis store a fleet of instances shares, "
         "redis://HOST:PORT[/DB] or redis+cluster://HOST:PORT[,HOST:PORT...]; a password in the "
-        "URL or REDIS_PASSWORD / REDISCLI_AUTH (needs an L2; not with --l3-dir yet)",
+        "URL or REDIS_PASSWORD / REDISCLI_AUTH. Behind the disk with --l3-dir (misses look at "
+        "the disk, then the store; spilled pages go to both), else in L3's place (needs an L2)",
     )
     p.add_argument(
         "--remote-gib",

@@ -45,7 +45,8 @@ class EngineConfig:
     # how the disk tier reads and writes its slabs: auto (O_DIRECT where the filesystem has it),
     # direct (refuse to start without it) or buffered (through the page cache; still fsynced)
     l3_io: str = "auto"
-    # the shared tier (Redis) in L3's place: tiers/remote/config.py; it may carry a password
+    # the shared tier (Redis) behind the disk, or in its place without --l3-dir:
+    # tiers/remote/config.py; the URL may carry a password
     remote_url: str | None = field(default=None, repr=False)
     remote_gib: float = 0.0  # this namespace's share of the store, all ranks together
     remote_timeout_ms: float = 500.0  # socket timeout of every round trip to the store
@@ -138,11 +139,6 @@ class EngineConfig:
         if not self.has_l2:
             raise ConfigError(
                 "the shared tier (--remote) publishes host pages: give an L2 too (--l2-tokens)"
-            )
-        if self.l3_dir is not None:
-            raise ConfigError(
-                "--remote takes the disk tier's place behind L2; both at once are not supported "
-                "yet: give --remote or --l3-dir"
             )
         if not 0 < self.remote_gib <= 2**20:
             raise ConfigError(f"--remote-gib must lie in (0, 1048576], got {self.remote_gib!r}")

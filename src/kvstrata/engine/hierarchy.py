@@ -34,9 +34,10 @@ from ..tiers.host_pool import HostPool
 from ..tiers.loadback import LoadBack
 from ..tiers.page_hash import Namespace, page_hashes
 from ..tiers.pool import DevicePool
+from ..tiers.remote.behind_disk import RemoteBehindDisk
 from ..tiers.remote.config import RemoteConfig
 from ..tiers.remote.tier import RemotePages
-from ..tiers.spill import DiskTier, SpillItem
+from ..tiers.spill import DiskTier, PageStore, SpillItem
 from ..tiers.tickets import FrontierFn, TicketKind, TicketLedger, local_frontier
 from ..tiers.transfer import Completion, Transfer, TransferStats
 from ..tiers.writethrough import Reservation, WriteThrough
@@ -138,11 +139,37 @@ class CacheHierarchy:
             )
         self.disk: DiskTier | None = None
         self.namespace: Namespace | None = None
-        if config.l3_dir is not None:
+        #: The disk store (L3), and the shared store behind it or, without a disk, in its place.
+        self.disk_store: DiskStore | None = None
+        self.remote: RemoteStore | None = None
+        if config.l3_dir is not None or config.remote_url is not None:
             assert self.host_pool is not None and self.host_allocator is not None
             self.namespace = Namespace.for_layout(model_id, layout, P, cp)
-            store = DiskStore(
-                self.namespace,
+            self.disk = DiskTier(
+                self.tree,
+                self.host_allocator,
+                self.host_pool,
+                self._open_l3(self.namespace, rank),
+                self.ledger,
+                rank,
+            )
+        #: Test hook: may hold completions back before they count as progress (a slow rank).
+        self.report_delay: Callable[[list[Completion]], list[Completion]] | None = None
+        self.hit_tokens = {Tier.L1: 0, Tier.L2: 0, Tier.L3: 0}  # tokens served, by tier
+        self.peak_pages_used = 0
+        self.disk_wait_s = 0.0  # wall seconds settles spent waiting for the disk's last step
+        self._hashes: dict[int, list[bytes]] = {}  # rid -> its full pages' content addresses
+        self._l3_tokens: dict[int, int] = {}  # rid -> tokens a reload brought it
+        self._spill_after: dict[int, list[_Spill]] = {}  # backup ticket -> spills once it commits
+        self._reservations: dict[int, Reservation] = {}  # rid -> this step's backup
+
+    def _open_l3(self, namespace: Namespace, rank: int) -> PageStore:
+        """The store behind L2: the disk, the shared store, or the disk with the shared store
+        behind it (``RemoteBehindDisk``)."""
+        config = self.config
+        if config.l3_dir is not None:
+            self.disk_store = DiskStore(
+                namespace,
                 rank,
                 DiskConfig(
                     root=Path(config.l3_dirs[0]),
@@ -156,31 +183,18 @@ class CacheHierarchy:
                     max_tickets=max(64, 2 * config.max_batch_requests + 2),
                 ),
             )
-            self.disk = DiskTier(
-                self.tree, self.host_allocator, self.host_pool, store, self.ledger, rank
-            )
-        self.remote: RemoteStore | None = None  # the shared tier, in the disk's place
-        if config.remote_url is not None:
-            assert self.host_pool is not None and self.host_allocator is not None
-            self.namespace = Namespace.for_layout(model_id, layout, P, cp)
-            self.remote = _open_remote(config, self.namespace, rank)
-            self.disk = DiskTier(
-                self.tree,
-                self.host_allocator,
-                self.host_pool,
-                RemotePages(self.remote),
-                self.ledger,
-                rank,
-            )
-        #: Test hook: may hold completions back before they count as progress (a slow rank).
-        self.report_delay: Callable[[list[Completion]], list[Completion]] | None = None
-        self.hit_tokens = {Tier.L1: 0, Tier.L2: 0, Tier.L3: 0}  # tokens served, by tier
-        self.peak_pages_used = 0
-        self.disk_wait_s = 0.0  # wall seconds settles spent waiting for the disk's last step
-        self._hashes: dict[int, list[bytes]] = {}  # rid -> its full pages' content addresses
-        self._l3_tokens: dict[int, int] = {}  # rid -> tokens a reload brought it
-        self._spill_after: dict[int, list[_Spill]] = {}  # backup ticket -> spills once it commits
-        self._reservations: dict[int, Reservation] = {}  # rid -> this step's backup
+        if config.remote_url is None:
+            assert self.disk_store is not None
+            return self.disk_store
+        try:
+            self.remote = _open_remote(config, namespace, rank)
+        except BaseException:
+            if self.disk_store is not None:
+                self.disk_store.close()  # its lock and threads
+            raise
+        if self.disk_store is None:
+            return RemotePages(self.remote)
+        return RemoteBehindDisk(self.disk_store, RemotePages(self.remote))
 
     def _host_pages(self) -> int:
         """L2 slots of this rank (0: no L2)."""
@@ -507,6 +521,8 @@ class CacheHierarchy:
                 raise AssertionError(f"{host_locks} host locks for {expected} holders")
         if self.host_pool is not None:
             self.host_pool.check()
+        if self.disk is not None and isinstance(self.disk.store, RemoteBehindDisk):
+            self.disk.store.check()
 
     def digests(self) -> dict[str, str]:
         """The replicated state every rank must hold alike."""
@@ -527,6 +543,10 @@ def _open_remote(config: EngineConfig, namespace: Namespace, rank: int) -> Remot
         timeout_s=config.remote_timeout_ms / 1e3,
         min_hits=config.remote_min_hits,
         password=config.remote_password,
+        # As for the disk: one publish per step, and per reload (at most a step's admissions,
+        # all finished at the fixed point) a fetch past the disk's pages and a retry of those
+        # the disk failed: never refused for queueing.
+        max_tickets=max(64, 2 * config.max_batch_requests + 2),
     )
     return RemoteStore(namespace, rank, remote)
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 from ..engine import Engine
 from ..residency import Tier
+from ..tiers.remote.behind_disk import RemoteBehindDisk
 
 
 @dataclass
@@ -137,7 +138,7 @@ class TierReport:
     #: the disk store's counters (spills, reads, GC, errors) and, under ``engine_`` keys, what
     #: the engine did with it (its spills, reloads, pages, misses, refusals, hit tokens)
     l3: dict[str, int | str] | None = None  # counters, and the io_mode that ran
-    remote: dict[str, int] | None = None  # the shared store's (in L3's place): hits, breaker, ...
+    remote: dict[str, int] | None = None  # the shared store's (behind or in place of the disk)
     backups_done_pages: int = 0
     backups_skipped_pages: int = 0
     backups_failed_pages: int = 0
@@ -192,6 +193,13 @@ class TierReport:
             if l3 is not None
             else []
         )
+        if l3 is not None and "engine_from_remote_pages" in l3:
+            disk.append(
+                (
+                    "L3 reloaded pages from disk / remote",
+                    f"{l3['engine_from_disk_pages']:,} / {l3['engine_from_remote_pages']:,}",
+                )
+            )
         r = self.remote
         if r is not None:
             disk.append(
@@ -232,24 +240,42 @@ class TierReport:
 
 
 def _disk_counters(engine: Engine) -> dict[str, int | str] | None:
-    """The disk store's counters, what the engine did with it, and its I/O mode, when it has
-    one (and no shared tier in its place)."""
-    disk = engine.cache.disk
-    if disk is None or engine.cache.remote is not None:
+    """The disk store's counters, what the engine did with L3 (``engine_`` keys: with the shared
+    store behind the disk, both together; ``from_disk`` / ``from_remote`` split its reloaded
+    pages), and its I/O mode, when it has one."""
+    disk, store = engine.cache.disk, engine.cache.disk_store
+    if disk is None or store is None:
         return None
-    store = disk.store.stats()
+    stats = store.stats()
     engine_counts = {f"engine_{k}": v for k, v in asdict(disk.stats).items()}
-    return dict(store.counters) | engine_counts | {"io_mode": store.io_mode}
+    out = dict(stats.counters) | engine_counts | {"io_mode": stats.io_mode}
+    if isinstance(disk.store, RemoteBehindDisk):
+        pair = disk.store.counters.snapshot()
+        out |= {
+            "engine_from_disk_pages": pair["reloaded_from_disk"],
+            "engine_from_remote_pages": pair["reloaded_from_remote"],
+        }
+    return out
 
 
 def _remote_counters(engine: Engine) -> dict[str, int] | None:
-    """The shared store's counters and what the engine did with it, when it has one."""
+    """The shared store's counters and what the engine did with it, when it has one. In the
+    disk's place, the engine's L3 counts are the shared store's; behind the disk, the pages it
+    served (``reloaded_pages``) and what the pair did (``behind_disk_`` keys: reloads split,
+    disk pages retried from it, ...)."""
     remote, disk = engine.cache.remote, engine.cache.disk
     if remote is None or disk is None:
         return None
     stats = remote.stats()
+    own = dict(stats.counters) | {
+        "writes_skipped": stats.writes_skipped,
+        "used_bytes": stats.used_bytes,
+    }
+    if not isinstance(disk.store, RemoteBehindDisk):
+        return own | asdict(disk.stats)
+    pair = disk.store.counters.snapshot()
     return (
-        dict(stats.counters)
-        | asdict(disk.stats)
-        | {"writes_skipped": stats.writes_skipped, "used_bytes": stats.used_bytes}
+        own
+        | {"reloaded_pages": pair["reloaded_from_remote"]}
+        | {f"behind_disk_{k}": v for k, v in pair.items()}
     )

@@ -19,8 +19,9 @@ pages and frees the rest.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -31,17 +32,46 @@ from ..cache.radix import Node, RadixTree
 from ..errors import DiskStoreError
 from ..ownership import owners
 from ..residency import Tier
-from .disk_store import DiskStore
+from .disk_config import DiskPoll, DiskStats
 from .host_pool import HostPool
 from .tickets import TicketKind, TicketLedger
 
-if TYPE_CHECKING:  # the shared tier needs the remote extra (redis) only when it is used
-    from .remote.tier import RemotePages
+if TYPE_CHECKING:
+    from .remote.results import RemoteStats
 
 IntArray = npt.NDArray[np.int64]
 #: Spills the engine lets the store still be writing when a step settles: their fdatasync and
 #: index commit overlap the next steps' compute instead of stalling each step.
 SPILLS_WRITING = 4
+
+
+class PageStore(Protocol):
+    """What :class:`DiskTier` drives: a :class:`~kvstrata.tiers.disk_store.DiskStore`, the
+    shared store in its place (``remote.tier.RemotePages``), or the shared store behind it
+    (``remote.behind_disk.RemoteBehindDisk``)."""
+
+    @property
+    def where(self) -> str: ...
+    @property
+    def num_slots(self) -> int: ...
+    @property
+    def io_timeout_s(self) -> float: ...
+    def spill(
+        self, ticket: int, pages: Sequence[tuple[bytes, int, int]], host_pool: HostPool
+    ) -> bool: ...
+    def reload(
+        self,
+        ticket: int,
+        page_hashes: Sequence[bytes],
+        host_pool: HostPool,
+        host_slots: Sequence[int],
+    ) -> bool: ...
+    def lookup(self, page_hashes: Sequence[bytes]) -> int: ...
+    def poll(self) -> DiskPoll: ...
+    def flush(self, timeout_s: float) -> bool: ...
+    def wait(self, timeout_s: float, spills_writing: int) -> bool: ...
+    def stats(self) -> DiskStats | RemoteStats: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -87,7 +117,7 @@ class DiskTier:
     tree: RadixTree
     host_allocator: PageAllocator
     host_pool: HostPool
-    store: DiskStore | RemotePages  # the disk, or the shared store in its place
+    store: PageStore  # the disk, the shared store in its place, or both
     ledger: TicketLedger
     rank: int = 0
     stats: DiskStatsView = field(default_factory=DiskStatsView)

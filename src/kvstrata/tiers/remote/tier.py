@@ -1,6 +1,7 @@
 """The shared store as the tier behind L2: a :class:`RemoteStore` seen through the interface the
 disk tier's driver (:class:`~kvstrata.tiers.spill.DiskTier`) uses, so that spill, reload, the
-ranks' agreement on a lookup and the frontier work for it unchanged.
+ranks' agreement on a lookup and the frontier work for it unchanged: in the disk's place, or
+behind it (``behind_disk.RemoteBehindDisk`` drives a :class:`DiskStore` and this together).
 
 ``spill`` publishes, ``reload`` fetches, ``poll`` turns the store's completions into the disk's
 (a page the store holds, written now or found there, is ``durable``; a fetched page that did not
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class RemotePages:
-    """A :class:`RemoteStore` with the disk store's method names (``tiers.spill.PageStore``)."""
+    """A :class:`RemoteStore` with the disk store's method names (:class:`~kvstrata.tiers.spill.PageStore`)."""
 
     def __init__(self, store: RemoteStore) -> None:
         self.remote = store
