@@ -81,18 +81,20 @@ def hashes(n: int, seed: int = 0, ns: Namespace = NS) -> list[bytes]:
     return page_hashes(ns, tokens)
 
 
-def budget_for(pages: int, ns: Namespace = NS) -> int:
-    """A budget of exactly ``pages`` pages."""
-    from kvstrata.tiers.disk_format import ALIGN, round_up
+def budget_for(pages: int, ns: Namespace = NS, io_mode: str = "auto") -> int:
+    """A budget of exactly ``pages`` pages (``io_mode``'s slots)."""
+    from kvstrata.tiers.disk_format import ALIGN
+    from kvstrata.tiers.disk_open import page_cost
 
-    page = sum(round_up(64 + ns.payload_bytes(k)) for k in range(len(ns.payloads)))
+    page = sum(page_cost(ns.payload_bytes(k), io_mode) for k in range(len(ns.payloads)))
     return pages * page + len(ns.payloads) * ALIGN
 
 
 def open_store(
     root: Path, pages: int = 100, ns: Namespace = NS, rank: int = 0, **kw: Any
 ) -> DiskStore:
-    return DiskStore(ns, rank, DiskConfig(root, budget_for(pages, ns), **kw))
+    budget = budget_for(pages, ns, kw.get("io_mode", "auto"))
+    return DiskStore(ns, rank, DiskConfig(root, budget, **kw))
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:

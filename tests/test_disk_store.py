@@ -29,7 +29,7 @@ from kvstrata.tiers.disk_store import DiskConfig, DiskStore
 from kvstrata.tiers.host_pool import HOST_LAYOUTS, HostLayout
 from kvstrata.tiers.page_hash import Namespace
 
-IO_MODES = ["direct", "buffered"]
+IO_MODES = ["direct", "buffered", "packed"]
 
 
 @pytest.fixture(params=IO_MODES)

@@ -214,7 +214,9 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         help="how the disk tier reads and writes its slabs: auto (O_DIRECT where the "
         "filesystem allows, else the page cache, with a warning), direct (refuse to start "
         "without O_DIRECT), buffered (the page cache; writes still fsynced before a page is "
-        "published). A --model none replay's disk time is simulated (--sim-disk-read-gbps), so "
+        "published), packed (small pages, such as --model none's: slots of 64-byte multiples "
+        "instead of 4 KiB, through the page cache; the budget pays for each page's index room "
+        "too). A --model none replay's disk time is simulated (--sim-disk-read-gbps), so "
         "buffered only makes its wall clock shorter",
     )
     p.add_argument(

@@ -24,8 +24,9 @@ from ..clock import CostModel, StepCoster
 from ..cost import CostProfile, ModelShape, estimate_profile, find_shipped, load_profile
 from ..cost.shape import model_shape
 from ..errors import ConfigError
-from ..tiers.disk_format import ALIGN, SLOT_HEADER_BYTES, round_up
+from ..tiers.disk_format import ALIGN
 from ..tiers.disk_layout import rank_roots
+from ..tiers.disk_open import page_cost
 from .config import ReplayConfig
 
 GIB = 1 << 30
@@ -144,7 +145,7 @@ def resolve_sizes(cfg: ReplayConfig) -> ReplayConfig:
             raise ConfigError(f"--l2-gib {engine.l2_gib} holds no page of {bpt * P:,} bytes")
     if modeled and engine.l3_dir is not None and engine.l3_gib:
         pages = tokens_for_gib(engine.l3_gib, bpt, P) // P
-        slot = round_up(SLOT_HEADER_BYTES + cfg.kv_width * P)  # the stored page's disk slot
+        slot = page_cost(cfg.kv_width * P, engine.l3_io)  # the stored page's disk bytes
         # striped over k directories, each holds an even share and its own superblocks
         k = len(rank_roots(len(engine.l3_dirs), 0, cfg.cp))
         changes["l3_gib"] = k * (-(-pages // k) * slot + 2 * ALIGN) / GIB

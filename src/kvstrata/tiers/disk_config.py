@@ -14,8 +14,8 @@ from .disk_layout import check_roots
 MAX_IO_THREADS = 64
 StartMode = Literal["clear", "load"]
 START_MODES: tuple[StartMode, ...] = ("clear", "load")
-IOMode = Literal["auto", "direct", "buffered"]
-IO_MODES: tuple[IOMode, ...] = ("auto", "direct", "buffered")
+IOMode = Literal["auto", "direct", "buffered", "packed"]
+IO_MODES: tuple[IOMode, ...] = ("auto", "direct", "buffered", "packed")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class DiskConfig:
     min_hits: pages spilled with fewer hits are skipped (frequency-gated admission, SSD wear).
     io_mode: ``"direct"`` (O_DIRECT, refuse to start without it), ``"buffered"`` (page cache +
         fdatasync), ``"auto"`` (O_DIRECT where the filesystem takes it, else buffered, reported
-        by ``stats().io_mode`` and a warning).
+        by ``stats().io_mode`` and a warning), ``"packed"`` (small pages only: slots of 64-byte
+        multiples, many to a 4 KiB block, through the page cache; ``disk_format.py``).
     staging_bytes: aligned memory for pages between gather and write (at least 2 pages).
     max_tickets: spill and reload jobs running at once; one more waits for one to finish (at
         most ``io_timeout_s``, then it is refused: the disk stopped answering).

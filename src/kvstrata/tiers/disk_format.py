@@ -13,7 +13,12 @@ holds (the stripe included); slot ``s`` follows at ``ALIGN + s * slot_bytes``::
       | payload length u32 | payload CRC-32C u32 | reserved u32 | header CRC-32C u32
 
 ``slot_bytes`` is header + payload rounded up to 4 KiB, so every slot starts and ends on an
-O_DIRECT boundary and a page of one payload is one write and one read. The payload is the page's
+O_DIRECT boundary and a page of one payload is one write and one read. Small pages (header +
+payload at most :data:`PACK_MAX_SLOT` bytes: a tiny model's, ``--model none``'s) may be *packed*
+instead (the ``packed`` I/O mode): rounded up to :data:`PACK_ALIGN` bytes, many slots to a 4 KiB block, read and written
+through the page cache (O_DIRECT cannot write part of a block); a 64-byte page then moves 128
+bytes, not 4,096. The superblock's slot size says which (a packed one is never a multiple of
+4 KiB). The payload is the page's
 layers in order (layer 0's ``page_size`` tokens, then layer 1's, ...), as the ``page_first`` host
 layout keeps them. A slot is only *believed* through the index (``disk_index.py``); its header is
 checked on every read (magic, format, kind, hash, length, both CRCs), so a torn, stale or foreign
@@ -49,6 +54,9 @@ MAX_RUN_SLOTS = 1024
 #: The most directories one rank's slots are striped over (the superblock keeps it in a byte).
 MAX_STRIPES = 256
 SLOT_HEADER_BYTES = 64
+#: Packed slots: sizes rounded to this, for slots of at most PACK_MAX_SLOT bytes (module docs).
+PACK_ALIGN = 64
+PACK_MAX_SLOT = ALIGN // 2
 PAGE_MAGIC = b"KVSTRPG\0"
 SLAB_MAGIC = b"KVSTRSB\0"
 #: The slot header before its own CRC (60 bytes) and the superblock before its CRC.
@@ -89,6 +97,11 @@ CRC32C_HARDWARE: bool = bool(_crc32c.hardware_based)
 
 def round_up(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
+
+
+def packable(payload_len: int) -> bool:
+    """Whether a payload's slots may be packed (:data:`PACK_MAX_SLOT`)."""
+    return round_up(SLOT_HEADER_BYTES + payload_len, PACK_ALIGN) <= PACK_MAX_SLOT
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -178,13 +191,16 @@ class SlabGeometry:
     num_slots: int
     stripe: int = 0
     stripes: int = 1
+    packed: bool = False  # slots of PACK_ALIGN bytes, buffered I/O (module docstring)
 
     def __post_init__(self) -> None:
         assert 1 <= self.stripes <= MAX_STRIPES and 0 <= self.stripe < self.stripes
+        assert not self.packed or packable(self.payload_len), "a packed slot of a large page"
 
     @property
     def slot_bytes(self) -> int:
-        return round_up(SLOT_HEADER_BYTES + self.payload_len)
+        align = PACK_ALIGN if self.packed else ALIGN
+        return round_up(SLOT_HEADER_BYTES + self.payload_len, align)
 
     @property
     def file_bytes(self) -> int:
@@ -270,6 +286,7 @@ class SlabGeometry:
             num_slots,
             stripe,
             stripes,
+            packed=slot_bytes % ALIGN != 0 and packable(length),
         )
         if geom.slot_bytes != slot_bytes or not 0 <= kind < num_payloads:
             return f"inconsistent superblock (slot bytes {slot_bytes}, kind {kind}/{num_payloads})"
@@ -392,7 +409,7 @@ class SlabFile:
             raise DiskFormatError(
                 f"slab {path} differs from what this store needs in {found.differences(geometry)} "
                 "(the slab's vs this store's); start with 'clear' (drops the disk contents) or "
-                "the same budget and model"
+                "the same budget, model and I/O mode (--l3-io)"
             )
         slab = cls(path, geometry, direct)
         truncated = size < geometry.file_bytes

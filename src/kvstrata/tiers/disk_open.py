@@ -32,11 +32,16 @@ from .disk_events import log
 from .disk_format import (
     ALIGN,
     NO_SUPERBLOCK,
+    PACK_ALIGN,
+    PACK_MAX_SLOT,
+    SLOT_HEADER_BYTES,
     RankLock,
     SlabFile,
     SlabGeometry,
     lock_path,
+    packable,
     probe_direct_io,
+    round_up,
 )
 from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, DiskIndex
 from .disk_layout import Slab, stripe_slabs
@@ -59,12 +64,20 @@ def size_group(namespace: Namespace, rank: int, config: DiskConfig, stripes: int
     """The geometry ``config.budget_bytes`` buys over ``stripes`` directories (an even split:
     every stripe holds as many slots); refuses a budget too small for the watermarks."""
     num_payloads = len(namespace.payloads)
+    sizes = [namespace.payload_bytes(k) for k in range(num_payloads)]
+    packed = config.io_mode == "packed"
+    if packed and not all(packable(n) for n in sizes):
+        raise ConfigError(
+            f"pages of {max(sizes):,} payload bytes are too large to pack (at most "
+            f"{PACK_MAX_SLOT - SLOT_HEADER_BYTES:,} with the header); use --l3-io auto"
+        )
     base = [
-        SlabGeometry(namespace.digest, rank, k, num_payloads, p.name, namespace.payload_bytes(k), 1)
+        SlabGeometry(namespace.digest, rank, k, num_payloads, p.name, sizes[k], 1, packed=packed)
         for k, p in enumerate(namespace.payloads)
     ]
     page_bytes = sum(g.slot_bytes for g in base)
-    per_stripe = max(0, (config.budget_bytes // stripes - num_payloads * ALIGN) // page_bytes)
+    cost = sum(page_cost(n, config.io_mode) for n in sizes)
+    per_stripe = max(0, (config.budget_bytes // stripes - num_payloads * ALIGN) // cost)
     num_slots = per_stripe * stripes
     high, low = watermark_slots(config, num_slots)
     if low < 1 or high <= low:
@@ -75,13 +88,21 @@ def size_group(namespace: Namespace, rank: int, config: DiskConfig, stripes: int
         raise ConfigError(
             f"a disk budget of {config.budget_bytes:,} bytes holds {num_slots} pages of "
             f"{page_bytes:,} bytes{over}, too few for the watermarks; give it at least "
-            f"{least * page_bytes + stripes * num_payloads * ALIGN:,} bytes ({least} pages)"
+            f"{least * cost + stripes * num_payloads * ALIGN:,} bytes ({least} pages)"
         )
     geoms = [
         [replace(g, num_slots=per_stripe, stripe=j, stripes=stripes) for g in base]
         for j in range(stripes)
     ]
     return GroupSize(geoms, num_slots, page_bytes, high, low)
+
+
+def page_cost(payload_len: int, io_mode: str) -> int:
+    """Disk bytes of one payload's page under ``io_mode``: its slot, and with packed slots (which
+    are smaller than the index's room for their entries) that room too."""
+    if io_mode != "packed":
+        return round_up(SLOT_HEADER_BYTES + payload_len)
+    return round_up(SLOT_HEADER_BYTES + payload_len, PACK_ALIGN) + RESERVE_BYTES_PER_ENTRY
 
 
 class OpenGroup:
@@ -119,8 +140,11 @@ class OpenGroup:
                 d / SLAB_DIR, [g.file_name() for g in geoms] + [layout_path(d, ns, rank).name]
             )
         settle_layout(dirs, cfg.roots, ns, rank, cfg.start)  # a load given other dirs: refused
-        modes = {choose_io(cfg.io_mode, d / SLAB_DIR) for d in dirs}
-        self.io_mode = "direct" if modes == {"direct"} else "buffered"
+        if self.size.geoms[0][0].packed:  # packed slots share 4 KiB blocks: the page cache
+            self.io_mode = "packed"
+        else:
+            modes = {choose_io(cfg.io_mode, d / SLAB_DIR) for d in dirs}
+            self.io_mode = "direct" if modes == {"direct"} else "buffered"
         path = index_dir(dirs[0], ns, rank)
         if cfg.start == "clear":  # whatever state it was in: clear always starts
             for d in dirs:  # a stripe's directory was the home of an earlier layout: its index

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -91,7 +92,9 @@ class DiskView:
             for kind in range(self._num_payloads):
                 path = self.root / SLAB_DIR / self._expected(kind, 0).file_name()
                 geom, _ = SlabFile.read_geometry(path)
-                if isinstance(geom, str) or geom != self._expected(kind, geom.num_slots):
+                if isinstance(geom, str) or geom != replace(
+                    self._expected(kind, geom.num_slots), packed=geom.packed
+                ):
                     return None
                 found.append((path, geom))
             if len({g.num_slots for _, g in found}) != 1:
