@@ -7,6 +7,7 @@ with several payloads per staging block and blocks and host slots in any order."
 from __future__ import annotations
 
 import hashlib
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -344,6 +345,24 @@ def test_large_pages_keep_one_memmove_per_page(monkeypatch: pytest.MonkeyPatch) 
     raw = [t.view(torch.uint8) for t in (pool.slab_tensor("k", 0, s) for s in range(3))]
     for a, b in ((5, 0), (1, 3), (2, 4)):  # bytes, not floats (random bytes hold NaNs)
         assert torch.equal(raw[a // 2][a % 2], raw[b // 2][b % 2])
+
+
+def test_check_slots_copies_headers_only() -> None:
+    """Checking a run of large slots must not copy their payloads (a run is up to 4 MiB per
+    payload: copying it whole doubles the reader's memory traffic)."""
+    payload = 1 << 20
+    staging = Staging([round_up(SLOT_HEADER_BYTES + payload)], 4)
+    hashes = [_hash(i) for i in range(4)]
+    for b in range(4):
+        view = staging.slot(b, 0)
+        SlotHeader(0, hashes[b], payload, crc32c(view[64 : 64 + payload])).pack_into(view)
+    tracemalloc.start()
+    try:
+        assert check_slots(staging, 0, range(4), hashes, payload) == [None] * 4
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < payload // 4, f"checking 4 headers allocated {peak} bytes"
 
 
 # -- the reader end to end on several host slabs -------------------------------------------------
