@@ -134,6 +134,24 @@ def test_a_spill_is_released_once_both_stores_released_it() -> None:
     both.check()
 
 
+def test_a_shared_store_whose_poll_raises_loses_none_of_the_disks_news() -> None:
+    """The disk's releases and reload results taken by the same poll are handed out later:
+    dropped, a spill's host slots would stay pinned and a reload would never end."""
+    both, disk, remote = _pair(disk_pages=3, remote_pages=0)
+    remote.take = False
+    assert both.spill(1, [(H[0], 0, 1)], None)  # type: ignore[arg-type]  # the disk's only
+    assert both.reload(2, H[:3], None, [0, 1, 2])  # type: ignore[arg-type]
+    disk.release(1)
+    disk.done(2, [True, True, True])
+    remote.raise_on_poll = RuntimeError("a store thread failed")
+    with pytest.raises(RuntimeError):
+        both.poll()
+    remote.raise_on_poll = None
+    news = both.poll()
+    assert news.released == (1,) and news.reloaded == (ReloadDone(2, (True,) * 3),)
+    both.check()
+
+
 def test_check_names_a_reload_with_no_part_left() -> None:
     both, disk, _ = _pair()
     assert both.reload(1, H[:3], None, [0, 1, 2])  # type: ignore[arg-type]
