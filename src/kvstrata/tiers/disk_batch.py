@@ -65,8 +65,9 @@ def check_slots(
     n = len(page_hashes)
     if n == 0:
         return []
-    rows = staging.rows(kind)[np.asarray(blocks, dtype=np.int64)]
-    heads = np.ascontiguousarray(rows[:, :SLOT_HEADER_BYTES]).view(HEAD_DTYPE)[:, 0]
+    # the headers only (one indexed copy of 64 bytes a slot, never the payloads)
+    raw = staging.rows(kind)[np.asarray(blocks, dtype=np.int64), :SLOT_HEADER_BYTES]
+    heads = np.ascontiguousarray(raw).view(HEAD_DTYPE)[:, 0]
     ok = (
         (heads["magic"] == PAGE_MAGIC)
         & (heads["version"] == FORMAT_VERSION)
@@ -133,14 +134,14 @@ def to_host(
         for b, slot in zip(blocks, host_slots, strict=True):
             staging.scatter(int(b), kind, pages.extents(kind, slot))
         return
-    rows = staging.rows(kind)
-    at = SLOT_HEADER_BYTES
-    src = rows[np.asarray(blocks, dtype=np.int64)]
+    # the payloads only (a small page's slot is mostly padding: 4 KiB for a 64-byte page)
+    payload = slice(SLOT_HEADER_BYTES, SLOT_HEADER_BYTES + pages.payload_bytes(kind))
+    src = staging.rows(kind)[np.asarray(blocks, dtype=np.int64), payload]
     for sel, host, extents in pages.rows(kind, host_slots):
+        at = 0
         for dst, nbytes in extents:
             dst[host] = src[sel, at : at + nbytes] if sel is not None else src[:, at : at + nbytes]
             at += nbytes
-        at = SLOT_HEADER_BYTES
 
 
 def from_host(

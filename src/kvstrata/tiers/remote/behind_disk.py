@@ -206,19 +206,27 @@ class RemoteBehindDisk:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        disk, remote = self.disk.poll(), self.remote.poll()
-        for ticket in (*disk.released, *remote.released):
+        disk = self.disk.poll()  # a raise here took nothing
+        try:
+            remote = self.remote.poll()
+        finally:  # the disk's news are taken: kept even when the shared store's poll raises
+            self._unpin(disk.released)
+            self._spilled += disk.spilled
+            self._dropped += disk.dropped
+            for done in disk.reloaded:
+                self._part_done(done.ticket, 0, done.ok, disk=True)
+        self._unpin(remote.released)
+        for done in remote.reloaded:
+            ticket, first = self._fetches.pop(done.ticket)
+            self._part_done(ticket, first, done.ok, disk=False)
+
+    def _unpin(self, released: tuple[int, ...]) -> None:
+        """One store no longer reads these spills' host slots: released once neither does."""
+        for ticket in released:
             self._spills[ticket] -= 1
             if self._spills[ticket] == 0:
                 del self._spills[ticket]
                 self._released.append(ticket)
-        self._spilled += disk.spilled
-        self._dropped += disk.dropped
-        for done in disk.reloaded:
-            self._part_done(done.ticket, 0, done.ok, disk=True)
-        for done in remote.reloaded:
-            ticket, first = self._fetches.pop(done.ticket)
-            self._part_done(ticket, first, done.ok, disk=False)
 
     def poll(self) -> DiskPoll:
         """Completions since the last call, as the disk store reports them."""
