@@ -72,6 +72,10 @@ class _ReloadJob:
     host_slots: list[int]
 
 
+#: The most pages the staging holds (its byte budget bounds it first for pages over 4 KiB).
+MAX_STAGING_PAGES = 1 << 16
+
+
 class DiskStore:
     """One rank's disk tier: preallocated slabs, the index, the spill and reload threads."""
 
@@ -124,7 +128,9 @@ class DiskStore:
 
     def _start_threads(self) -> None:
         cfg = self.config
-        num_blocks = max(2, cfg.staging_bytes // self.page_bytes)
+        # At most MAX_STAGING_PAGES, however small the pages (packed slots: 2 M of 128 bytes in
+        # the default 256 MiB would cost seconds of start-up in per-block bookkeeping).
+        num_blocks = max(2, min(MAX_STAGING_PAGES, cfg.staging_bytes // self.page_bytes))
         largest = max(g.slot_bytes for g in self._geoms)
         need = num_blocks * self.page_bytes + PageReader.buffer_bytes(
             self.page_bytes, largest, cfg.read_threads * len(self.dirs)
