@@ -282,6 +282,8 @@ class PageReader:
                     got.append(-1)
                     if results[b] is None:
                         results[b] = ("read_errors", f"read error: {err.strerror}")
+        if len(got) == 1 and got[0] == len(views) * size:
+            return  # the whole run (the usual case): nothing to look at page by page
         for b in range(len(views)):
             have = got[b] if len(got) > 1 else min(size, max(0, got[0] - b * size))
             if 0 <= have < size and results[b] is None:
