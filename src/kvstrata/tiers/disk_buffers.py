@@ -42,12 +42,15 @@ class Staging:
         self.view = memoryview(self._buf)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
         whole = np.frombuffer(self._buf, dtype=np.uint8)
-        #: per payload, every block's slot as one row of an array view (``disk_batch.py``)
-        #: per payload, every block's slot as a memoryview (the buffers of a vectored read)
+        #: per payload, every block's slot as a memoryview (``slot``; a vectored read's buffers)
         self._views = [
-            [self.view[b * self.block_bytes + off :][:size] for b in range(num_blocks)]
+            [
+                self.view[s : s + size]
+                for s in range(off, num_blocks * self.block_bytes, self.block_bytes)
+            ]
             for off, size in zip(self.offsets, slot_bytes, strict=True)
         ]
+        #: per payload, every block's slot as one row of an array view (``disk_batch.py``)
         self._rows = [
             np.lib.stride_tricks.as_strided(
                 whole[off:], shape=(num_blocks, size), strides=(self.block_bytes, 1)
@@ -63,8 +66,7 @@ class Staging:
         return block * self.block_bytes + self.offsets[kind]
 
     def slot(self, block: int, kind: int) -> memoryview:
-        start = block * self.block_bytes + self.offsets[kind]
-        return self.view[start : start + self.slot_bytes[kind]]
+        return self._views[kind][block]
 
     def slot_views(self, kind: int) -> list[memoryview]:
         """Every block's slot of ``kind`` (block ``b`` at ``[b]``; do not modify the list)."""
@@ -76,7 +78,7 @@ class Staging:
 
     def payload_address(self, block: int, kind: int) -> int:
         """Where the payload of ``kind`` starts in ``block`` (past its slot header)."""
-        return self._base + block * self.block_bytes + self.offsets[kind] + SLOT_HEADER_BYTES
+        return self._base + self.slot_start(block, kind) + SLOT_HEADER_BYTES
 
     def gather(self, block: int, kind: int, extents: list[tuple[int, int]]) -> None:
         """Copy host ``extents`` (address, bytes), in order, into the payload of a slot."""
@@ -117,41 +119,32 @@ class HostPages:
         self._keep = host_pool.tensors()  # the memory the addresses name outlives the pool's use
         # per payload: [(slab base addresses, stride, offset, bytes) per extent]
         self._parts: list[list[tuple[list[int], int, int, int]]] = []
+        # per payload, per slab: each extent's pages as rows of an array view (``rows``)
+        self._arrays: list[list[list[npt.NDArray[np.uint8]]]] = []
         page_first = host_pool.host_layout == "page_first"
         for spec in host_pool.layout.payloads:
             layers = host_pool.layout.layers(spec)
             parts = []
+            arrays: list[list[npt.NDArray[np.uint8]]] = [[] for _ in range(host_pool.num_slabs)]
             for layer in range(1 if page_first else layers):
                 stride, offset, nbytes = host_pool.page_geometry(spec.name, layer)
                 if page_first:
                     nbytes *= layers
-                bases = [
-                    host_pool.slab_tensor(spec.name, layer, slab).data_ptr()
-                    for slab in range(host_pool.num_slabs)
-                ]
+                bases = []
+                for slab, views in enumerate(arrays):
+                    tensor = host_pool.slab_tensor(spec.name, layer, slab)
+                    bases.append(tensor.data_ptr())
+                    start, stop = host_pool.slab_bounds(slab)
+                    flat = tensor.view(-1).view(torch.uint8).numpy()
+                    views.append(
+                        np.lib.stride_tricks.as_strided(
+                            flat[offset:], shape=(stop - start, nbytes), strides=(stride, 1)
+                        )
+                    )
                 parts.append((bases, stride, offset, nbytes))
             assert sum(p[3] for p in parts) == layers * host_pool.page_geometry(spec.name, 0)[2]
             self._parts.append(parts)
-        # per payload, per slab: each extent's pages as rows of an array view (``rows``)
-        self._arrays: list[list[list[npt.NDArray[np.uint8]]]] = []
-        for spec in host_pool.layout.payloads:
-            layers = host_pool.layout.layers(spec)
-            per_slab = []
-            for slab in range(host_pool.num_slabs):
-                start, stop = host_pool.slab_bounds(slab)
-                views = []
-                for layer in range(1 if page_first else layers):
-                    stride, offset, nbytes = host_pool.page_geometry(spec.name, layer)
-                    if page_first:
-                        nbytes *= layers
-                    flat = host_pool.slab_tensor(spec.name, layer, slab).view(-1).view(torch.uint8)
-                    views.append(
-                        np.lib.stride_tricks.as_strided(
-                            flat.numpy()[offset:], shape=(stop - start, nbytes), strides=(stride, 1)
-                        )
-                    )
-                per_slab.append(views)
-            self._arrays.append(per_slab)
+            self._arrays.append(arrays)
 
     def payload_bytes(self, kind: int) -> int:
         return sum(p[3] for p in self._parts[kind])

@@ -143,13 +143,8 @@ class SlotPool:
     def touch(self, page_hash: bytes) -> tuple[int, int] | None:
         """Mark a page most recently used, live or being written (where it stands must not
         depend on how far its write got); returns ``(slot, last_access)``, None if absent."""
-        found = self._pages.get(page_hash)
-        if found is None:
-            return None
-        self.clock += 1
-        found.last_access = self.clock
-        self._pages.move_to_end(page_hash)
-        return found.slot, self.clock
+        touched = self.touch_many((page_hash,))
+        return (touched[0][1], self.clock) if touched else None
 
     def touch_many(self, page_hashes: Iterable[bytes]) -> list[tuple[bytes, int]]:
         """:meth:`touch` of each of ``page_hashes`` in order; ``(hash, slot)`` of those found."""
