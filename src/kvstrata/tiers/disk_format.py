@@ -15,12 +15,11 @@ holds (the stripe included); slot ``s`` follows at ``ALIGN + s * slot_bytes``::
 ``slot_bytes`` is header + payload rounded up to 4 KiB, so every slot starts and ends on an
 O_DIRECT boundary and a page of one payload is one write and one read. Small pages (header +
 payload at most :data:`PACK_MAX_SLOT` bytes: a tiny model's, ``--model none``'s) may be *packed*
-instead (the ``packed`` I/O mode): rounded up to :data:`PACK_ALIGN` bytes, many slots to a 4 KiB block, read and written
-through the page cache (O_DIRECT cannot write part of a block); a 64-byte page then moves 128
-bytes, not 4,096. The superblock's slot size says which (a packed one is never a multiple of
-4 KiB). The payload is the page's
-layers in order (layer 0's ``page_size`` tokens, then layer 1's, ...), as the ``page_first`` host
-layout keeps them. A slot is only *believed* through the index (``disk_index.py``); its header is
+instead (the ``packed`` I/O mode): rounded up to :data:`PACK_ALIGN` bytes, many slots to a 4 KiB
+block, read and written through the page cache (O_DIRECT cannot write part of a block); a
+64-byte page then moves 128 bytes, not 4,096. The superblock's slot size says which (a packed
+one is never a multiple of 4 KiB). The payload is the page's layers in order (layer 0's
+``page_size`` tokens, then layer 1's, ...), as the ``page_first`` host layout keeps them. A slot is only *believed* through the index (``disk_index.py``); its header is
 checked on every read (magic, format, kind, hash, length, both CRCs), so a torn, stale or foreign
 slot reads as a miss, never as someone else's bytes.
 
@@ -99,9 +98,15 @@ def round_up(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
 
 
+def slot_size(payload_len: int, packed: bool = False) -> int:
+    """Bytes of one slot of a ``payload_len``-byte payload: header and payload rounded up to
+    :data:`ALIGN`, or to :data:`PACK_ALIGN` when ``packed``."""
+    return round_up(SLOT_HEADER_BYTES + payload_len, PACK_ALIGN if packed else ALIGN)
+
+
 def packable(payload_len: int) -> bool:
     """Whether a payload's slots may be packed (:data:`PACK_MAX_SLOT`)."""
-    return round_up(SLOT_HEADER_BYTES + payload_len, PACK_ALIGN) <= PACK_MAX_SLOT
+    return slot_size(payload_len, packed=True) <= PACK_MAX_SLOT
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -199,8 +204,7 @@ class SlabGeometry:
 
     @property
     def slot_bytes(self) -> int:
-        align = PACK_ALIGN if self.packed else ALIGN
-        return round_up(SLOT_HEADER_BYTES + self.payload_len, align)
+        return slot_size(self.payload_len, self.packed)
 
     @property
     def file_bytes(self) -> int:

@@ -32,7 +32,6 @@ from .disk_events import log
 from .disk_format import (
     ALIGN,
     NO_SUPERBLOCK,
-    PACK_ALIGN,
     PACK_MAX_SLOT,
     SLOT_HEADER_BYTES,
     RankLock,
@@ -41,7 +40,7 @@ from .disk_format import (
     lock_path,
     packable,
     probe_direct_io,
-    round_up,
+    slot_size,
 )
 from .disk_index import MAP_BYTES_PER_ENTRY, RESERVE_BYTES_PER_ENTRY, DiskIndex
 from .disk_layout import Slab, stripe_slabs
@@ -101,8 +100,8 @@ def page_cost(payload_len: int, io_mode: str) -> int:
     """Disk bytes of one payload's page under ``io_mode``: its slot, and with packed slots (which
     are smaller than the index's room for their entries) that room too."""
     if io_mode != "packed":
-        return round_up(SLOT_HEADER_BYTES + payload_len)
-    return round_up(SLOT_HEADER_BYTES + payload_len, PACK_ALIGN) + RESERVE_BYTES_PER_ENTRY
+        return slot_size(payload_len)
+    return slot_size(payload_len, packed=True) + RESERVE_BYTES_PER_ENTRY
 
 
 class OpenGroup:
