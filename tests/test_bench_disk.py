@@ -30,6 +30,21 @@ def test_a_small_run_round_trips_and_reports(
     assert list(tmp_path.iterdir()) == []  # the scratch directory is gone
 
 
+def test_packed_slots_report_their_own_size_and_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --io-mode packed the slots are 64-byte multiples: the JSON's slot and disk bytes
+    (the GB/s figures' bytes) are those slots', not 4 KiB ones."""
+    argv = ["bench", "disk", "--dir", str(tmp_path), "--gib", "0.001", "--layers", "1"]
+    argv += ["--kv-heads", "1", "--head-dim", "1", "--dtype", "float32", "--page-size", "16"]
+    argv += ["--repeat", "1", "--io-mode", "packed"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["verified"] and doc["io_mode"] == "packed"
+    assert doc["slot_bytes"] == 128  # a 64-byte payload (16 tokens x 4 bytes) and its header
+    assert doc["disk_bytes"] == -(-doc["pages"] * 2 * 128 // 4096) * 4096
+
+
 def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "disk", "--dir", str(tmp_path / "missing")]) == 2
     assert "is not a directory" in capsys.readouterr().err

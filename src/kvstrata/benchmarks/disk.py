@@ -5,7 +5,7 @@ A host pool of ``--gib`` GiB of pages at a real model's page geometry (default L
 :class:`~kvstrata.tiers.disk_store.DiskStore` under ``--dir`` (gather, CRC, O_DIRECT writes,
 fdatasync, index commits) and read back (O_DIRECT reads, verification, copies into another host
 pool), then every byte is compared. In the same run, alternating with it, ``dd`` writes and reads
-the same number of bytes at the same block size (one slot) with ``oflag=direct conv=fdatasync`` /
+the same number of bytes at the same block size (one slot; 4 KiB with ``--io-mode packed``) with ``oflag=direct conv=fdatasync`` /
 ``iflag=direct`` into a preallocated file on the same filesystem, as the slabs are, writing the
 same random bytes from memory (a file in /dev/shm), not zeros. ``ratio`` is
 ours over dd's (median of ``--repeat`` rounds). GB/s counts the bytes that reach the disk (slot
@@ -38,8 +38,9 @@ from ..config import KVLayout, PayloadSpec
 from ..errors import ConfigError
 from ..limits import check_fits
 from ..tiers.disk_config import IO_MODES, MAX_IO_THREADS, DiskConfig, DiskStats
-from ..tiers.disk_format import CRC32C_HARDWARE, round_up
+from ..tiers.disk_format import CRC32C_HARDWARE, round_up, slot_size
 from ..tiers.disk_layout import check_roots
+from ..tiers.disk_open import page_cost
 from ..tiers.disk_store import DiskStore
 from ..tiers.host_pool import HostPool
 from ..tiers.page_hash import Namespace
@@ -248,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = Namespace.for_layout("bench-disk", layout, args.page_size)
     page = layout.page_bytes(args.page_size)
     pages = max(1, int(args.gib * 2**30) // page)
-    slot = round_up(64 + ns.payload_bytes(0))
-    disk_bytes = pages * 2 * slot
+    slot = slot_size(ns.payload_bytes(0), packed=args.io_mode == "packed")
+    disk_bytes = round_up(pages * 2 * slot)
+    # dd's block: one slot, or with packed slots the 4 KiB that O_DIRECT needs (the same bytes)
+    block = round_up(slot)
     src = HostPool(layout, args.page_size, pages, pin=False)
     dst = HostPool(layout, args.page_size, pages, pin=False)
     gen = torch.Generator().manual_seed(0)
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     verified = True
     io_mode = ""
     amplification: list[int] = []  # bytes sent to storage while spilling, per round
-    count = disk_bytes // slot
+    count = disk_bytes // block
     many = len(dirs) > 1
     try:
         dd_files = [s / "dd.bin" for s in scratch]
@@ -271,10 +274,11 @@ def main(argv: list[str] | None = None) -> int:
                     out.fileno(), 0, disk_bytes if j == 0 else -(-disk_bytes // len(dirs))
                 )
         # under the high watermark (per directory when striped: the budget splits evenly)
-        budget = (-(-pages * 100 // 94) + 2 * len(dirs)) * 2 * slot + 2 * 4096 * len(dirs)
+        page_disk_bytes = 2 * page_cost(ns.payload_bytes(0), args.io_mode)
+        budget = (-(-pages * 100 // 94) + 2 * len(dirs)) * page_disk_bytes + 2 * 4096 * len(dirs)
         dd_source = _dd_source(src, disk_bytes, scratch[0])
-        one_w, one_r = dd_args(dd_files[:1], dd_source, slot, count)
-        all_w, all_r = dd_args(dd_files, dd_source, slot, count)
+        one_w, one_r = dd_args(dd_files[:1], dd_source, block, count)
+        all_w, all_r = dd_args(dd_files, dd_source, block, count)
         setup = _Setup(args, ns, src, dst, pages, budget, disk_bytes)
         for r in range(args.repeat):
             ok, io_mode, sent, stats = _round(
