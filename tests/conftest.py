@@ -71,3 +71,15 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """A shared-tier URL: a fresh standalone ``redis-server``, then the session's 3-node
+    cluster, flushed (each test that takes it runs once on each)."""
+    if request.param == "standalone":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        return server.url
+    cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+    cluster.flush()
+    return cluster.url

@@ -64,6 +64,13 @@ def test_every_payload_bit_flip_is_caught(bit: int) -> None:
     buf[SLOT_HEADER_BYTES + bit // 8] ^= 1 << (bit % 8)
     assert check_slot(memoryview(buf), 0, HASH, 5000) == "payload CRC mismatch"
     assert check_slot(memoryview(buf), 0, HASH, 5000, payload=False) is None
+    # The same payload in pieces after a separate header (a value read into a host page's views).
+    head, body = memoryview(buf)[:SLOT_HEADER_BYTES], memoryview(buf)[SLOT_HEADER_BYTES:]
+    pieces = [body[:1000], body[1000:1000], body[1000:5000]]
+    assert check_slot(head, 0, HASH, 5000, body=pieces) == "payload CRC mismatch"
+    buf[SLOT_HEADER_BYTES + bit // 8] ^= 1 << (bit % 8)
+    assert check_slot(head, 0, HASH, 5000, body=pieces) is None
+    assert "short read" in str(check_slot(head, 0, HASH, 5000, body=pieces[:2]))
 
 
 def test_superblock_round_trip_and_corruption() -> None:

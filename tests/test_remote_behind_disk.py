@@ -162,10 +162,12 @@ def test_a_spill_goes_to_both_and_is_released_once_neither_reads_it(
 
 
 def test_a_second_instance_with_an_empty_disk_hits_the_first_ones_prefix(
-    redis_server: RedisServer, tmp_path: Path
+    store_url: str, tmp_path: Path
 ) -> None:
+    """Two hosts, each with its own disk and L2, on one Redis or one 3-node Redis Cluster: the
+    second's every page of the first one's prefix comes from the shared store, exact."""
     prompt = np.arange(1, 401, dtype=np.uint32)
-    first = engine(config(tmp_path, redis_server.url, "a"))
+    first = engine(config(tmp_path, store_url, "a"))
     try:
         run_all(first, [Request(0, prompt)], check=True)
     finally:
@@ -174,7 +176,7 @@ def test_a_second_instance_with_an_empty_disk_hits_the_first_ones_prefix(
     assert first.cache.disk_store.stats().pages_written == 25
     assert first.cache.remote is not None and first.cache.remote.stats().pages_written == 25
     # Its own disk, empty, and its own L2: every page comes from the shared store.
-    second = engine(config(tmp_path, redis_server.url, "b"))
+    second = engine(config(tmp_path, store_url, "b"))
     longer = np.concatenate([prompt, [7, 8, 9]]).astype(np.uint32)
     second.keep_logits = {1}
     try:

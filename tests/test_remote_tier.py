@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from redis_rig import RedisCluster, RedisServer, free_port
+from redis_rig import RedisServer, free_port
 
 from kvstrata.engine import Engine, EngineConfig, Finished
 from kvstrata.errors import ConfigError
@@ -57,25 +57,15 @@ def config(url: str, **kw: object) -> EngineConfig:
     return EngineConfig(**base)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["standalone", "cluster"])
-def url(request: pytest.FixtureRequest) -> str:
-    if request.param == "standalone":
-        server: RedisServer = request.getfixturevalue("redis_server")
-        return server.url
-    cluster: RedisCluster = request.getfixturevalue("redis_cluster")
-    cluster.flush()
-    return cluster.url
-
-
-def test_a_second_instance_hits_the_first_ones_prefix(url: str) -> None:
+def test_a_second_instance_hits_the_first_ones_prefix(store_url: str) -> None:
     prompt = np.arange(1, 401, dtype=np.uint32)
-    first = Engine(SyntheticCompute(8, 1000), config(url), model_id="none:8")
+    first = Engine(SyntheticCompute(8, 1000), config(store_url), model_id="none:8")
     try:
         run_all(first, [Request(0, prompt)])
     finally:
         first.close()
     assert first.cache.remote is not None and first.cache.remote.stats().pages_written == 25
-    second = Engine(SyntheticCompute(8, 1000), config(url), model_id="none:8")
+    second = Engine(SyntheticCompute(8, 1000), config(store_url), model_id="none:8")
     second.keep_logits = {1}
     longer = np.concatenate([prompt, [7, 8, 9]]).astype(np.uint32)
     try:
@@ -88,7 +78,7 @@ def test_a_second_instance_hits_the_first_ones_prefix(url: str) -> None:
     stats = second.cache.remote.stats()
     assert stats.hits == 25 and stats.misses == 0 and stats.verify_failures == 0
     # Another model (namespace) on the same store sees nothing.
-    other = Engine(SyntheticCompute(8, 1000), config(url), model_id="none:9")
+    other = Engine(SyntheticCompute(8, 1000), config(store_url), model_id="none:9")
     try:
         out = run_all(other, [Request(2, longer)])
     finally:
@@ -136,7 +126,7 @@ def _replay(url: str, *extra: str) -> tuple[int, dict, float]:
 @pytest.mark.slow
 def test_two_processes_share_one_store_with_verified_bytes(redis_server: RedisServer) -> None:
     rc1, first, _ = _replay(redis_server.url, "--verify", "10")
-    rc2, second, _ = _replay(redis_server.url, "--verify", "10")
+    rc2, second, _ = _replay(redis_server.url, "--verify", "10", "--remote-connections", "1")
     assert rc1 == rc2 == 0
     assert first["verify"]["ok"] and second["verify"]["ok"]
     assert second["verify"]["payload_mismatched_bytes"] == 0
@@ -145,6 +135,9 @@ def test_two_processes_share_one_store_with_verified_bytes(redis_server: RedisSe
     assert second["hit_tokens_by_tier"]["l3"] > first["hit_tokens_by_tier"]["l3"]
     assert second["hit_ratio"] > first["hit_ratio"]
     assert second["config"]["remote"] == redis_server.url
+    assert (
+        first["config"]["remote_connections"] == 3 and second["config"]["remote_connections"] == 1
+    )
 
 
 @pytest.mark.slow
@@ -170,6 +163,11 @@ def test_remote_configuration_errors(tmp_path: Path) -> None:
         EngineConfig(l2_tokens=1024, remote_url="redis://h:1", remote_gib=0.0)
     with pytest.raises(ConfigError, match="must look like"):
         EngineConfig(l2_tokens=1024, remote_url="h:1", remote_gib=1.0)
+    for n in (0, 65):
+        with pytest.raises(ConfigError, match="remote-connections"):
+            EngineConfig(
+                l2_tokens=1024, remote_url="redis://h:1", remote_gib=1.0, remote_connections=n
+            )
     with pytest.raises(ConfigError, match="nothing would reach"):
         EngineConfig(
             l2_tokens=1024, remote_url="redis://h:1", remote_gib=1.0, write_policy="write_back"

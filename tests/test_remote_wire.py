@@ -1,5 +1,5 @@
 """Tests for kvstrata.tiers.remote.wire: RESP2 replies read from a socket in any split, bulk
-values straight into the caller's buffer, pipelines sent whole however the kernel cuts them, and
+values straight into the caller's buffer or scattered over its pieces, pipelines sent whole however the kernel cuts them, and
 a connection dropped (never reused) after a reply it cannot account for."""
 
 from __future__ import annotations
@@ -63,6 +63,26 @@ def test_a_large_value_lands_in_place() -> None:
         into = memoryview(bytearray(len(blob)))
         assert reader.reply(into) is into and bytes(into) == blob
         assert reader.reply(None) == 1
+    writer.join()
+
+
+@pytest.mark.parametrize("piece", [1, 100, 4096, 65536])
+def test_a_value_scatters_into_pieces_in_order(piece: int) -> None:
+    """A value read into pieces (a slot header, then a host page's views, some empty) fills them
+    in order whatever the kernel's split and whatever the small reads already buffered; pieces
+    of another total length get a buffer of their own."""
+    blob = bytes(range(256)) * 1000
+    sizes = [64, 0, 16384, 1, 50000, len(blob) - 64 - 16384 - 1 - 50000]
+    wire = b"".join(b"$%d\r\n%s\r\n" % (len(blob), blob) for _ in range(2))
+    sock, writer = feed(wire, piece)
+    with sock:
+        reader = _Reader(sock, bytearray(4096))
+        pieces = [memoryview(bytearray(n)) for n in sizes]
+        assert reader.reply(pieces) is pieces
+        assert b"".join(bytes(p) for p in pieces) == blob
+        other = reader.reply(pieces[:3])  # 16,448 bytes asked for: not this value
+        assert isinstance(other, memoryview) and bytes(other) == blob
+        assert reader.pending == 0
     writer.join()
 
 

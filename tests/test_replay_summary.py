@@ -75,6 +75,7 @@ CONFIG_ADDED = {
     "cost_profile", "model_shape", "l1_gib", "sim_links",  # new with the cost profiles
     *(f"sim_links.{k}" for k in ("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
     "remote", "remote_gib", "remote_timeout_ms", "remote_min_hits",  # new with --remote
+    "remote_connections",  # new with --remote-connections
     "l3_io",  # new with --l3-io
 }  # fmt: skip
 L3 = {
@@ -147,6 +148,7 @@ def test_cache_only_summary_keys_and_config(tmp_path: Path) -> None:
         "verify_atol": None, "cost_profile": None, "model_shape": None, "l1_gib": 0.0,
         "sim_links": dict.fromkeys(("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
         "remote": None, "remote_gib": None, "remote_timeout_ms": None, "remote_min_hits": None,
+        "remote_connections": None,
     }  # fmt: skip
 
 
@@ -170,6 +172,7 @@ def test_model_summary_keys_and_config() -> None:
         "verify_atol": None, "cost_profile": None, "model_shape": None, "l1_gib": 0.0,
         "sim_links": dict.fromkeys(("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
         "remote": None, "remote_gib": None, "remote_timeout_ms": None, "remote_min_hits": None,
+        "remote_connections": None,
     }  # fmt: skip
 
 

@@ -104,7 +104,7 @@ def test_a_bad_value_in_redis_stops_the_run_at_that_page(
     value[SLOT_HEADER_BYTES + 100] ^= 0x04
     client.set(key, bytes(value))
     assert b.batch_exists(keys) == 12  # existence only: values are checked when read
-    read_past_a_bad_page(b, pool_b, keys, "a", bad=5)
+    read_past_a_bad_page(b, pool_b, keys, "a", bad=5, untouched=False)
     want = expected(pool_b, keys, "a")
     assert stats(b)["remote_verify_failures"] == 1
     assert b.batch_exists(keys) == 5  # the bad page's keys were deleted before the call returned

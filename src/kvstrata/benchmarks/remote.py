@@ -39,6 +39,7 @@ from ..errors import ConfigError
 from ..limits import check_fits
 from ..tiers.host_pool import HostPool
 from ..tiers.page_hash import Namespace
+from ..tiers.remote.config import RemoteConfig
 
 if TYPE_CHECKING:  # the remote extra (redis) is imported only when the benchmark runs
     from ..tiers.remote import RemoteStore
@@ -71,7 +72,12 @@ def build_parser() -> CommandParser:
     ap.add_argument(
         "--batch-pages", type=int, default=4, help="pages per round trip (the store's default)"
     )
-    ap.add_argument("--threads", type=int, default=2, help="connections (round trips in flight)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=RemoteConfig.threads,
+        help="connections (round trips in flight; the store's default)",
+    )
     ap.add_argument(
         "--repeat", type=int, default=5, help="rounds, alternating with redis-benchmark"
     )
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     check_args(args)
     import redis  # the remote extra
 
-    from ..tiers.remote import RemoteConfig, RemoteStore
+    from ..tiers.remote import RemoteStore
     from ..tiers.remote.values import value_bytes
 
     layout = _layout(args)

@@ -255,6 +255,13 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         help="publish only pages used at least N times (their first use counts)",
     )
     p.add_argument(
+        "--remote-connections",
+        type=int,
+        default=EngineConfig.remote_connections,
+        metavar="N",
+        help="round trips in flight to the store, each on a connection and thread of its own",
+    )
+    p.add_argument(
         "--cp",
         type=int,
         default=ReplayConfig.cp,
@@ -442,6 +449,7 @@ def replay_config(args: argparse.Namespace) -> ReplayConfig:
             remote_gib=args.remote_gib,
             remote_timeout_ms=args.remote_timeout_ms,
             remote_min_hits=args.remote_min_hits,
+            remote_connections=args.remote_connections,
             remote_password=password_from_env(os.environ) if args.remote else None,
             cp_attention=args.cp_attention,
             check_digests=args.check_digests,

@@ -51,6 +51,7 @@ class EngineConfig:
     remote_gib: float = 0.0  # this namespace's share of the store, all ranks together
     remote_timeout_ms: float = 500.0  # socket timeout of every round trip to the store
     remote_min_hits: int = 1  # publish only pages used at least this often
+    remote_connections: int = 3  # round trips in flight to the store (a connection and thread each)
     remote_password: str | None = field(default=None, repr=False)  # when the URL has none
     cp_attention: str = "auto"  # under CP: move_kv, move_queries, or auto (cheaper per step)
     check_digests: bool = False  # under CP: compare replicated digests across ranks every step
@@ -148,6 +149,10 @@ class EngineConfig:
             )
         if not isinstance(self.remote_min_hits, int) or self.remote_min_hits < 0:
             raise ConfigError(f"--remote-min-hits must be >= 0, got {self.remote_min_hits!r}")
+        if not isinstance(self.remote_connections, int) or not 1 <= self.remote_connections <= 64:
+            raise ConfigError(
+                f"--remote-connections must lie in [1, 64], got {self.remote_connections!r}"
+            )
         if self.write_policy != "write_through":
             raise ConfigError(
                 f"the shared tier publishes the pages each write-through backup commits; with "

@@ -37,6 +37,7 @@ import os
 import stat
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -159,10 +160,17 @@ def decode_slot_header(buf: memoryview) -> SlotHeader | str:
 
 
 def check_slot(
-    buf: memoryview, payload_kind: int, page_hash: bytes, payload_len: int, payload: bool = True
+    buf: memoryview,
+    payload_kind: int,
+    page_hash: bytes,
+    payload_len: int,
+    payload: bool = True,
+    body: Sequence[memoryview] | None = None,
 ) -> str | None:
     """None when ``buf`` (a slot read from disk) holds payload ``payload_kind`` of ``page_hash``,
-    intact; else the reason. ``payload=False`` checks the header only."""
+    intact; else the reason. ``payload=False`` checks the header only; ``body`` holds the
+    payload's bytes in these pieces, in order, instead of after the header in ``buf`` (a value
+    read straight into a host page's views)."""
     head = decode_slot_header(buf)
     if isinstance(head, str):
         return head
@@ -172,7 +180,16 @@ def check_slot(
         return f"payload kind {head.payload_kind}, not {payload_kind}"
     if head.payload_len != payload_len:
         return f"payload length {head.payload_len}, not {payload_len}"
-    if payload:
+    if payload and body is not None:
+        got = sum(len(b) for b in body)
+        if got != payload_len:
+            return f"short read ({got} of {payload_len} payload bytes)"
+        crc = 0
+        for piece in body:
+            crc = crc32c(piece, crc)
+        if crc != head.payload_crc:
+            return "payload CRC mismatch"
+    elif payload:
         end = SLOT_HEADER_BYTES + payload_len
         if len(buf) < end:
             return f"short read ({len(buf)} of {end} bytes)"

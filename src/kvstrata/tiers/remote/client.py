@@ -32,7 +32,7 @@ from redis.retry import Retry
 
 from .config import RemoteAddress
 from .values import PageValue
-from .wire import Chunk, WireConnection, command, set_command
+from .wire import Chunk, Into, WireConnection, command, set_command
 
 log = logging.getLogger("kvstrata.remote")
 #: Keys a SCAN asks for per round trip.
@@ -201,7 +201,7 @@ class RedisClient:
         self,
         keys: Sequence[bytes],
         chunks: Callable[[int], list[Chunk]],
-        into: Callable[[int], memoryview | None] | None = None,
+        into: Callable[[int], Into] | None = None,
         each: Callable[[int, Any], None] | None = None,
     ) -> list[Any]:
         """One command per key (``chunks(i)``), pipelined on each key's connection. Each reply
@@ -252,12 +252,13 @@ class RedisClient:
     def get(
         self,
         keys: Sequence[bytes],
-        into: Callable[[int], memoryview | None],
-        each: Callable[[int, memoryview | None | CommandError], None],
+        into: Callable[[int], Into],
+        each: Callable[[int, Any], None],
     ) -> None:
-        """GET of each key, handed to ``each(i, value)`` as it arrives: the value in
-        ``into(i)`` when it is exactly that long (reusable once ``each`` returned), else in a
-        buffer of its own; None where absent."""
+        """GET of each key, handed to ``each(i, value)`` as it arrives: the value read into
+        ``into(i)`` (one buffer or pieces, returned as given) when it is exactly that long
+        (reusable once ``each`` returned), else in a buffer of its own; None where absent; a
+        refusal as a :class:`CommandError`."""
         self._pipeline(keys, lambda i: [command(b"GET", keys[i])], into, each)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool | CommandError]:

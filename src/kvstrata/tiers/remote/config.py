@@ -119,7 +119,9 @@ class RemoteConfig:
     ttl_s: expiry of every value written (0: none; Redis's eviction decides).
     batch_pages: pages per round trip (a pipeline of SETs or GETs of all their payloads; a
         publish asks which pages exist in one EXISTS pipeline per ticket first).
-    threads: round trips in flight (each on its own connection and thread).
+    threads: round trips in flight (each on its own connection and thread). 3 measured best on
+        the H200 host (16 cores): fetch 0.79-0.86x ``redis-benchmark``'s GET against 0.71-0.77x
+        with 2 (docs/benchmarks.md, "Shared tier").
     max_tickets: publish and fetch tickets in flight or unpolled; more are refused.
     tune_malloc: raise glibc's mmap and trim thresholds once (``mallopt``) so that large
         short-lived allocations reuse heap memory instead of faulting fresh pages (it was worth
@@ -135,7 +137,7 @@ class RemoteConfig:
     min_hits: int = 1
     ttl_s: int = 0
     batch_pages: int = 4
-    threads: int = 2
+    threads: int = 3
     max_tickets: int = 64
     tune_malloc: bool = True
     password: str | None = field(default=None, repr=False)

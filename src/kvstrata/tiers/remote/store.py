@@ -42,12 +42,17 @@ from typing import TypeVar
 
 from ...errors import ConfigError, PoolInvariantError
 from ..disk_events import Counters, RateLimitedLog
+from ..disk_format import SLOT_HEADER_BYTES
 from ..host_pool import HostPool
 from ..page_hash import HASH_BYTES, Namespace
 from .client import Breaker, CommandError, RedisClient, StoreUnavailable, log, tune_malloc
 from .config import RemoteConfig
 from .results import COUNTERS, Events, FetchDone, PublishDone, RemotePoll, RemoteStats
 from .values import PageCodec, key_kind, rank_pattern
+
+#: A GET's reply as the fetch sees it: read in place (the views it was given), in a buffer of
+#: its own (another length), absent, or refused.
+_Value = list[memoryview] | memoryview | CommandError | None
 
 __all__ = ["RemoteConfig", "RemotePoll", "RemoteStats", "RemoteStore"]
 
@@ -108,7 +113,7 @@ class RemoteStore:
         self._lookup_io = concurrent.futures.ThreadPoolExecutor(1, "kvstrata-remote-lookup")
         self._count_io = concurrent.futures.ThreadPoolExecutor(1, "kvstrata-remote-count")
         self._counting: concurrent.futures.Future[None] | None = None
-        self._local = threading.local()  # each store thread's read buffer (_scratch)
+        self._local = threading.local()  # each store thread's header buffers (_headers)
 
     # -- round trips -----------------------------------------------------------------------------
 
@@ -453,31 +458,37 @@ class RemoteStore:
         return True
 
     def _fetch_batch(self, job: _Job, pages: range, host_slots: list[int]) -> None:
-        """One GET pipeline of every payload of ``pages``; each page is checked and copied into
-        its host slot as soon as its values arrived (into this thread's one-page buffer), while
-        the server still sends the next ones."""
+        """One GET pipeline of every payload of ``pages``. Each value is read straight into its
+        host slot (its header into this thread's header buffer, the payload scattered over the
+        slot's views by the kernel); a page is checked as soon as its values arrived, while the
+        server still sends the next ones. The slot was reserved for this fetch: a page that
+        fails its check is a miss and its slot's bytes are never used."""
         n, hashes = len(self._kinds), [job.order[i] for i in pages]
         keys = [self._keys(h) for h in hashes]
         ok = [False] * len(hashes)
         bad: list[bytes] = []
         arrived = 0  # pages whose every reply came
-        scratch = self._scratch()
-        got: list[memoryview | None | CommandError] = [None] * n
+        heads = self._headers()
+        got: list[_Value] = [None] * n
 
-        def each(j: int, value: memoryview | None | CommandError) -> None:
+        def into(j: int) -> list[memoryview]:
+            i, k = divmod(j, n)
+            return [heads[k], *self._codec.payload_views(k, job.host_pool, host_slots[i])]
+
+        def each(j: int, value: _Value) -> None:
             nonlocal arrived
             i, k = divmod(j, n)
             got[k] = value
             if k == n - 1:
                 arrived = i + 1
-                if self._take_page(job.host_pool, hashes[i], host_slots[i], got):
+                if self._take_page(hashes[i], got):
                     ok[i] = True
-                elif all(isinstance(v, memoryview) for v in got):
+                elif all(v is not None and not isinstance(v, CommandError) for v in got):
                     bad.extend(keys[i])  # read but not intact: deleted below
 
         try:
             flat = [k for ks in keys for k in ks]
-            self._call(lambda c: c.get(flat, lambda j: scratch[j % n], each))
+            self._call(lambda c: c.get(flat, into, each))
             if bad:
                 self._call(lambda c: c.delete(bad))
         except StoreUnavailable:
@@ -494,23 +505,17 @@ class RemoteStore:
                 if job.pending == 0:
                     self._finish_fetch(job)
 
-    def _take_page(
-        self,
-        host_pool: HostPool,
-        page_hash: bytes,
-        host_slot: int,
-        values: list[memoryview | None | CommandError],
-    ) -> bool:
-        """Check every payload's value of a page and, only if all are intact, copy them into
-        ``host_slot``. A missing or refused value is a miss; a bad one is counted and logged."""
-        got = [v for v in values if isinstance(v, memoryview)]
-        if len(got) < len(values):
+    def _take_page(self, page_hash: bytes, values: list[_Value]) -> bool:
+        """Whether every payload's value of a page arrived intact in its host slot. A missing
+        or refused value is a miss; a bad one (another length is read into a buffer of its
+        own) is counted and logged."""
+        if any(v is None or isinstance(v, CommandError) for v in values):
             return False  # absent (never written, evicted, expired) or refused: a miss
         why = next(
             (
                 f"payload {self.namespace.payloads[k].name}: {w}"
-                for k, v in enumerate(got)
-                if (w := self._codec.check(k, page_hash, v)) is not None
+                for k, v in enumerate(values)
+                if (w := self._codec.check(k, page_hash, v)) is not None  # type: ignore[arg-type]
             ),
             None,
         )
@@ -518,22 +523,16 @@ class RemoteStore:
             self.counters.add(verify_failures=1)
             self._warn.warn("verify", f"page {page_hash.hex()[:16]}: {why}; a miss, deleted")
             return False
-        for k, v in enumerate(got):
-            self._codec.decode_into(k, v, host_pool, host_slot)
         return True
 
-    def _scratch(self) -> list[memoryview]:
-        """This thread's read buffer, one page's values: each page read lands there, is
-        checked, and is copied into the host pool before the next page's values are read (one
-        buffer per thread, reused: no allocation, no page faults, and warm in the cache)."""
-        buf: bytearray | None = getattr(self._local, "scratch", None)
+    def _headers(self) -> list[memoryview]:
+        """This thread's slot-header buffers, one per payload kind: a value's header lands
+        there (its payload in the host slot) and is checked before the next page's."""
+        buf: bytearray | None = getattr(self._local, "heads", None)
         if buf is None:
-            buf = self._local.scratch = bytearray(self.page_bytes)
-        view, out, at = memoryview(buf), [], 0
-        for size in self._value_len:
-            out.append(view[at : at + size])
-            at += size
-        return out
+            buf = self._local.heads = bytearray(SLOT_HEADER_BYTES * len(self._kinds))
+        view = memoryview(buf)
+        return [view[k * SLOT_HEADER_BYTES : (k + 1) * SLOT_HEADER_BYTES] for k in self._kinds]
 
     def _finish_fetch(self, job: _Job) -> None:
         self._events.fetched.append(FetchDone(job.ticket, tuple(job.ok)))

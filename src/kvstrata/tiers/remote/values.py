@@ -18,6 +18,7 @@ namespace, page, payload or geometry fails, and so does any flipped bit.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -134,19 +135,23 @@ class PageCodec:
         SlotHeader(kind, page_hash, self.payload_len[kind], crc).pack_into(memoryview(header))
         return PageValue(bytes(header), parts)
 
-    def check(self, kind: int, page_hash: bytes, value: bytes | memoryview) -> str | None:
+    def check(
+        self, kind: int, page_hash: bytes, value: bytes | memoryview | Sequence[memoryview]
+    ) -> str | None:
         """None when ``value`` is payload ``kind`` of ``page_hash`` under the namespace, intact;
-        else why not."""
+        else why not. ``value`` is one buffer, or the pieces a value was read into (its header,
+        then the payload's views: :meth:`payload_views`)."""
         want = self.value_len[kind]
-        if len(value) != want:
-            return f"{len(value)} bytes, not {want} (another geometry, or truncated)"
-        return check_slot(memoryview(value), kind, page_hash, self.payload_len[kind])
+        pieces = [value] if isinstance(value, bytes | memoryview) else value
+        got = sum(len(p) for p in pieces)
+        if got != want:
+            return f"{got} bytes, not {want} (another geometry, or truncated)"
+        if len(pieces) == 1:
+            return check_slot(memoryview(pieces[0]), kind, page_hash, self.payload_len[kind])
+        head, *body = (memoryview(p) for p in pieces)
+        return check_slot(head, kind, page_hash, self.payload_len[kind], body=body)
 
-    def decode_into(
-        self, kind: int, value: bytes | memoryview, host_pool: HostPool, host_slot: int
-    ) -> None:
-        """Copy a checked value's payload into host slot ``host_slot``."""
-        src, at = memoryview(value), SLOT_HEADER_BYTES
-        for dst in pool_bytes(host_pool).page(self.names[kind], host_slot):
-            dst[:] = src[at : at + len(dst)]
-            at += len(dst)
+    def payload_views(self, kind: int, host_pool: HostPool, host_slot: int) -> list[memoryview]:
+        """Host slot ``host_slot``'s bytes of payload ``kind``, in order: where a fetched value's
+        payload is read (after its header)."""
+        return pool_bytes(host_pool).page(self.names[kind], host_slot)

@@ -40,6 +40,8 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 CRLF = b"\r\n"
 
 Chunk = bytes | memoryview
+#: Where a bulk value is read: one buffer, or pieces filled in order (a host page's views).
+Into = memoryview | Sequence[memoryview] | None
 
 
 def command(*args: bytes) -> bytes:
@@ -102,31 +104,48 @@ class _Reader:
                 raise ProtocolError(f"a reply line longer than {len(self.buf)} bytes")
             self._fill()
 
-    def read_into(self, dst: memoryview) -> None:
-        """Exactly ``len(dst)`` bytes into ``dst``: what is buffered, then the socket's."""
-        have = min(self.end - self.pos, len(dst))
-        dst[:have] = self.view[self.pos : self.pos + have]
-        self.pos += have
-        while have < len(dst):
-            got = self.sock.recv_into(dst[have:])
+    def read_into(self, dsts: Sequence[memoryview]) -> None:
+        """Exactly as many bytes as ``dsts`` hold, in order: what is buffered, then the socket's
+        (one ``recvmsg_into`` scatters into all of them: the kernel's copy, GIL released)."""
+        views = [d for d in dsts if len(d)]
+        while views and self.pos < self.end:  # what the small reads already buffered
+            take = min(self.end - self.pos, len(views[0]))
+            views[0][:take] = self.view[self.pos : self.pos + take]
+            self.pos += take
+            views[0] = views[0][take:]
+            if not len(views[0]):
+                views.pop(0)
+        while views:
+            got = self.sock.recvmsg_into(views[:IOV_MAX])[0]
             if got == 0:
                 raise redis.exceptions.ConnectionError("the server closed the connection")
-            have += got
+            while got:
+                take = min(got, len(views[0]))
+                got -= take
+                views[0] = views[0][take:]
+                if not len(views[0]):
+                    views.pop(0)
 
-    def reply(self, into: memoryview | None) -> Any:
+    def reply(self, into: Into) -> Any:
         """One reply: True for +OK, an int, None for a nil, an exception for an error, a bulk
-        value in ``into`` when it is exactly that long (else in a ``bytearray`` of its own)."""
+        value in ``into`` (one view, or pieces filled in order) when it is exactly that long,
+        returned as given (else in a ``bytearray`` of its own, returned as a memoryview)."""
         line = self.line()
         kind, rest = line[:1], line[1:]
         if kind == b"$":
             n = int(rest)
             if n < 0:
                 return None
-            dst = into if into is not None and len(into) == n else memoryview(bytearray(n))
-            self.read_into(dst)
+            pieces = [into] if isinstance(into, memoryview) else into
+            if pieces is not None and sum(len(p) for p in pieces) == n:
+                self.read_into(pieces)
+                out: Any = into
+            else:
+                out = memoryview(bytearray(n))
+                self.read_into([out])
             if self.line() != b"":
                 raise ProtocolError("a bulk reply longer than its length")
-            return dst
+            return out
         if kind == b":":
             return int(rest)
         if kind == b"_":  # RESP3's null, should the connection speak it
@@ -165,7 +184,7 @@ class WireConnection(Connection):
     def exchange(
         self,
         chunks: Sequence[Chunk],
-        into: Sequence[memoryview | None],
+        into: Sequence[Into],
         each: Callable[[int, Any], None],
     ) -> None:
         """Send ``chunks`` (``len(into)`` commands), then read one reply per command and hand
