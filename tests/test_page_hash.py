@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvstrata.config import KVLayout, PayloadSpec
 from kvstrata.errors import ConfigError, InvalidTokensError
-from kvstrata.tiers.page_hash import ROOT_HASH, Namespace, page_hashes
+from kvstrata.tiers.page_hash import ROOT_HASH, Namespace, PrefixHasher, page_hashes
 
 LAYOUT = KVLayout(2, (PayloadSpec("k", (2, 4), "bfloat16"), PayloadSpec("v", (2, 4), "bfloat16")))
 NS = Namespace.for_layout("llama", LAYOUT, page_size=4, cp_size=2)
@@ -66,6 +66,30 @@ def test_prefix_closed_and_continuable(tokens: list[int], page_size: int, cut: i
     assert page_hashes(ns, tokens[: k * page_size]) == hashes[:k]
     parent = hashes[k - 1] if k else ROOT_HASH
     assert page_hashes(ns, tokens[k * page_size :], parent=parent) == hashes[k:]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cuts=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 60)), min_size=1, max_size=12),
+    kept=st.integers(1, 4),
+)
+def test_the_prefix_hasher_gives_the_chain_whatever_it_kept(
+    cuts: list[tuple[int, int]], kept: int
+) -> None:
+    """Sequences that share prefixes of any length with the earlier ones (a conversation's
+    turns, an agent's steps, other sessions between them): the hashes are the chain's, exactly,
+    however few sequences the hasher keeps; the shared pages are reused, not hashed again."""
+    hasher = PrefixHasher(NS, sequences=kept)
+    base = np.random.default_rng(0).integers(0, 2**32, 400, dtype=np.uint64).astype(np.uint32)
+    for share, tail in cuts:
+        tokens = np.concatenate([base[:share], np.arange(tail, dtype=np.uint32) + 7 * share])
+        assert hasher(tokens) == _reference(NS, tokens.tolist()), (share, tail)
+    # The same long sequence twice: the second time every page comes from the first's chain.
+    hashed = hasher.pages_hashed
+    assert hasher(base) == hasher(base) == page_hashes(NS, base)
+    assert hasher.pages_hashed - hashed <= len(base) // NS.page_size
+    with pytest.raises(ConfigError, match="keeps >= 1"):
+        PrefixHasher(NS, sequences=0)
 
 
 def test_every_namespace_field_changes_the_digest() -> None:

@@ -32,7 +32,7 @@ from ..tiers.disk_config import DiskConfig
 from ..tiers.disk_store import DiskStore
 from ..tiers.host_pool import HostPool
 from ..tiers.loadback import LoadBack
-from ..tiers.page_hash import Namespace, page_hashes
+from ..tiers.page_hash import Namespace, PrefixHasher
 from ..tiers.pool import DevicePool
 from ..tiers.remote.behind_disk import RemoteBehindDisk
 from ..tiers.remote.config import RemoteConfig
@@ -139,12 +139,14 @@ class CacheHierarchy:
             )
         self.disk: DiskTier | None = None
         self.namespace: Namespace | None = None
+        self._hasher: PrefixHasher | None = None  # the namespace's page hashes, chains reused
         #: The disk store (L3), and the shared store behind it or, without a disk, in its place.
         self.disk_store: DiskStore | None = None
         self.remote: RemoteStore | None = None
         if config.l3_dir is not None or config.remote_url is not None:
             assert self.host_pool is not None and self.host_allocator is not None
             self.namespace = Namespace.for_layout(model_id, layout, P, cp)
+            self._hasher = PrefixHasher(self.namespace)
             self.disk = DiskTier(
                 self.tree,
                 self.host_allocator,
@@ -224,9 +226,9 @@ class CacheHierarchy:
         """The content addresses of request ``rid``'s full pages (computed once)."""
         hashes = self._hashes.get(rid)
         if hashes is None:
-            assert self.namespace is not None
+            assert self._hasher is not None
             full = key.num_full_pages * self.config.page_size
-            hashes = self._hashes[rid] = page_hashes(self.namespace, key.tokens[:full])
+            hashes = self._hashes[rid] = self._hasher(key.tokens[:full])
         return hashes
 
     # -- claim and release -----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -132,3 +133,78 @@ def page_hashes(
         h = m.digest()
         out.append(h)
     return out
+
+
+class PrefixHasher:
+    """:func:`page_hashes` of one namespace that reuses the chain of a recent sequence sharing a
+    prefix: requests of a conversation or an agent's session repeat the earlier ones' pages, and
+    hashing them again was a tenth of a disk-tier replay's engine thread. The result is exactly
+    :func:`page_hashes`'s (the chain continues from the last shared page's hash, the shared
+    length found by comparing tokens); only the time differs.
+
+    A sequence is found by fingerprints of its first 1, 2, 4, 8, ... pages (BLAKE2b over the
+    tokens, one pass): the longest fingerprint of a new sequence that a kept one has names the
+    candidate. At most ``sequences`` are kept, least recently used dropped first (256: on
+    ``agentic:0:1000`` 68 % of the pages came from a chain, 41 % with 64)."""
+
+    def __init__(self, namespace: Namespace, sequences: int = 256) -> None:
+        if sequences < 1:
+            raise ConfigError(f"a prefix hasher keeps >= 1 sequence, got {sequences}")
+        self.namespace, self.sequences = namespace, sequences
+        self._kept: OrderedDict[int, tuple[np.ndarray, list[bytes], list[bytes]]] = OrderedDict()
+        self._by_prefix: dict[bytes, int] = {}  # fingerprint -> the kept sequence's number
+        self._next = 0
+        self.pages_hashed = 0  # pages whose hash was computed (the rest came from a chain)
+        self.pages_reused = 0
+
+    def _fingerprints(self, words: np.ndarray, num_pages: int) -> list[bytes]:
+        """BLAKE2b of the first 1, 2, 4, ... pages' tokens (page counts up to ``num_pages``)."""
+        data, step = (
+            memoryview(words.astype("<u4", copy=False).tobytes()),
+            4 * self.namespace.page_size,
+        )
+        m, out, done, k = hashlib.blake2b(digest_size=16), [], 0, 1
+        while k <= num_pages:
+            m.update(data[done * step : k * step])
+            out.append(m.copy().digest())
+            done, k = k, 2 * k
+        return out
+
+    def __call__(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        """:func:`page_hashes` ``(namespace, tokens)``."""
+        P = self.namespace.page_size
+        if len(tokens) < P:
+            return []
+        words = as_token_array(tokens)
+        num_pages = words.size // P
+        words = words[: num_pages * P]
+        prints = self._fingerprints(words, num_pages)
+        shared, chain = 0, None
+        for fp in reversed(prints):
+            seq = self._by_prefix.get(fp)
+            if seq is not None:
+                seen, chain, _ = self._kept[seq]
+                self._kept.move_to_end(seq)
+                n = min(seen.size, words.size)
+                differ = np.flatnonzero(seen[:n] != words[:n])
+                shared = (int(differ[0]) if differ.size else n) // P
+                break
+        out = chain[:shared] if chain is not None else []
+        if num_pages > shared:
+            parent = out[-1] if out else ROOT_HASH
+            out = out + page_hashes(self.namespace, words[shared * P :], parent=parent)
+        self.pages_hashed += num_pages - shared
+        self.pages_reused += shared
+        self._keep(words.copy(), out, prints)  # a copy: the caller's array may change
+        return out
+
+    def _keep(self, words: np.ndarray, hashes: list[bytes], prints: list[bytes]) -> None:
+        seq, self._next = self._next, self._next + 1
+        self._kept[seq] = (words, hashes, prints)
+        for fp in prints:
+            self._by_prefix[fp] = seq
+        while len(self._kept) > self.sequences:
+            old, (_, _, old_prints) = self._kept.popitem(last=False)
+            for fp in old_prints:
+                if self._by_prefix.get(fp) == old:
+                    del self._by_prefix[fp]
