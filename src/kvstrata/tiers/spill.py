@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
@@ -136,14 +137,13 @@ class DiskTier:
             return
         ticket = self.ledger.issue(TicketKind.SPILL)
         cp = self.tree.cp_size
-        pages = []
+        pages: list[tuple[bytes, int, int]] = []
         for item in batch:
             own = item.host_pages % cp == self.rank
-            pages += [
-                (h, int(p) // cp, item.hits)
-                for h, p, o in zip(item.hashes, item.host_pages, own, strict=True)
-                if o
-            ]
+            assert own.size == len(item.hashes)
+            slots = (item.host_pages[own] // cp).tolist()  # Python ints, one pass
+            mine = compress(item.hashes, own.tolist())
+            pages += zip(mine, slots, repeat(item.hits, len(slots)), strict=True)
             # Locked on every rank alike, whatever this rank's store does: the lock is replicated
             # state, released when the frontier covers the ticket.
             self.tree.host_lock(item.node)
@@ -230,7 +230,7 @@ class DiskTier:
         ticket = self.ledger.issue(TicketKind.RELOAD)
         cp = self.tree.cp_size
         own = host_pages % cp == self.rank
-        mine = [h for h, o in zip(hashes[first : first + count], own, strict=True) if o]
+        mine = list(compress(hashes[first : first + count], own.tolist()))
         self._reloads[ticket] = _Reload(
             key.prefix((first + count) * P), cached_len, host_pages, parent, rid, hashes[first]
         )
