@@ -38,6 +38,7 @@ import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 
 import lmdb
@@ -350,12 +351,16 @@ class DiskIndex:
     ) -> None:
         """Publish ``(page hash, slot, last_access)`` entries for every payload, atomically (in
         slot order: neighbouring keys share B-tree pages)."""
+        key, value, kinds = KEY.pack, VALUE.pack, range(num_payloads)
+        items = [
+            (key(ns, slot, kind), value(page_hash, rank, last))
+            for page_hash, slot, last in sorted(pages, key=itemgetter(1))
+            for kind in kinds
+        ]
         with self.env.begin(write=True, db=self._pages) as txn:
-            put = txn.put
-            for page_hash, slot, last in sorted(pages, key=lambda p: p[1]):
-                value = VALUE.pack(page_hash, rank, last)
-                for kind in range(num_payloads):
-                    put(KEY.pack(ns, slot, kind), value)
+            consumed, _ = txn.cursor().putmulti(items)  # one call: half a put per key's time
+            if consumed != len(items):  # the transaction aborts: nothing is published
+                raise lmdb.Error(f"the index took {consumed} of {len(items)} entries")
 
     def touch_pages(
         self, ns: bytes, rank: int, pages: Sequence[tuple[bytes, int, int]], num_payloads: int
