@@ -9,9 +9,9 @@ names them as tensor views (the shared tier's values).
 from __future__ import annotations
 
 import ctypes
-import queue
 import threading
 import weakref
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -57,9 +57,8 @@ class Staging:
             )
             for off, size in zip(self.offsets, slot_bytes, strict=True)
         ]
-        self._free: queue.Queue[int] = queue.Queue(maxsize=num_blocks)
-        for b in range(num_blocks):
-            self._free.put_nowait(b)
+        self._free: deque[int] = deque(range(num_blocks))  # FIFO, under _cond
+        self._cond = threading.Condition()
 
     def slot_start(self, block: int, kind: int) -> int:
         """Where the slot of ``kind`` in ``block`` starts in :attr:`view`."""
@@ -96,15 +95,31 @@ class Staging:
 
     def acquire(self, stop: threading.Event) -> int | None:
         """A free block, waiting for the writer to return one; None once ``stop`` is set."""
-        while not stop.is_set():
-            try:
-                return self._free.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-        return None
+        got = self.acquire_many(1, stop)
+        return got[0] if got else None
+
+    def acquire_many(self, n: int, stop: threading.Event) -> list[int]:
+        """Up to ``n`` free blocks (at least one), waiting for the writer to return one; none
+        once ``stop`` is set. One lock for all of them: a block each cost a queue's lock and
+        condition, a tenth of the gather thread's GIL time on small pages."""
+        with self._cond:
+            while not self._free:
+                if stop.is_set():
+                    return []
+                self._cond.wait(POLL_S)
+            if stop.is_set():
+                return []
+            free = self._free
+            return [free.popleft() for _ in range(min(n, len(free)))]
 
     def release(self, block: int) -> None:
-        self._free.put_nowait(block)
+        self.release_many((block,))
+
+    def release_many(self, blocks: Sequence[int]) -> None:
+        if blocks:
+            with self._cond:
+                self._free.extend(blocks)
+                self._cond.notify()
 
 
 class HostPages:

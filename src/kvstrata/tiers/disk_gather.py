@@ -120,6 +120,7 @@ class Gatherer:
         writes = sum(1 for batch in job.batches for *_, slot in batch if slot >= 0)
         pages = host_pages(job.host_pool) if writes else None
         copied = 0
+        spare: list[int] = []  # blocks taken for the chunk's next pages, last one first
         for batch in job.batches:
             chunk: list[Staged] = []
             # the pages of ``chunk`` copied to staging together: (block, host slot, hash)
@@ -130,7 +131,10 @@ class Gatherer:
                 if slot < 0:
                     chunk.append(Staged(job, h, -1, None))
                     continue
-                block = None if self.stop.is_set() else self.staging.acquire(self.stop)
+                if not spare and not self.stop.is_set():  # for the rest of the chunk at once
+                    want = min(self.chunk_pages - len(chunk), writes - copied)
+                    spare = self.staging.acquire_many(max(1, want), self.stop)[::-1]
+                block = spare.pop() if spare else None
                 if block is not None:
                     blocks.append(block)
                     host_slots.append(host_slot)
@@ -138,6 +142,8 @@ class Gatherer:
                 chunk.append(Staged(job, h, slot, block))
                 copied += 1
                 if len(chunk) >= self.chunk_pages or copied == writes:
+                    self.staging.release_many(spare)  # never held past a chunk: the bound
+                    spare = []
                     self._copy(pages, blocks, host_slots, hashes)
                     blocks, host_slots, hashes = [], [], []
                     if copied == writes:
@@ -145,6 +151,8 @@ class Gatherer:
                     if len(chunk) >= self.chunk_pages:
                         self.staged.put_nowait(Chunk(chunk))
                         chunk = []
+            self.staging.release_many(spare)
+            spare = []
             self._copy(pages, blocks, host_slots, hashes)
             if chunk:
                 self.staged.put_nowait(Chunk(chunk))

@@ -244,9 +244,7 @@ class SpillPipeline:
             self.pool.release_withheld(stale[1])
 
     def _finish(self, items: list[Staged], ok: bool) -> None:
-        for item in items:
-            if item.block is not None:
-                self.staging.release(item.block)
+        self.staging.release_many([item.block for item in items if item.block is not None])
         self.events.pages_done([(item.job, item.page_hash) for item in items], ok)
 
     def _write_chunk(self, pages: list[Staged], batch: _Batch) -> None:
