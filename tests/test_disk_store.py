@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 from disk_rig import (
     LAYOUT,
@@ -277,6 +278,14 @@ def test_bad_configuration_is_refused(tmp_path: Path) -> None:
             store.spill(1, [], host_pool(layout=KVLayout(1, LAYOUT.payloads)))
         with pytest.raises(ConfigError, match="outside"):
             store.read(hashes(1), host_pool(), [64])
+        for slots in ([-0.5], np.array([1.5]), [float("nan")], [2**64]):
+            with pytest.raises(ConfigError, match="host slots"):
+                store.read(hashes(1), host_pool(), slots)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="distinct"):  # a later page would land over it
+            store.read(hashes(2), host_pool(), [3, 3])
+        with pytest.raises(ConfigError, match="distinct"):
+            store.reload(7, hashes(2), host_pool(), np.array([3, 3]))
+        assert store.stats().reloads == 0, "refused before any ticket was taken"
         with pytest.raises(ConfigError, match="32 bytes"):
             store.lookup([b"short"])
         with pytest.raises(ConfigError, match="32 bytes"):

@@ -88,6 +88,15 @@ def test_the_prefix_hasher_gives_the_chain_whatever_it_kept(
     hashed = hasher.pages_hashed
     assert hasher(base) == hasher(base) == page_hashes(NS, base)
     assert hasher.pages_hashed - hashed <= len(base) // NS.page_size
+    got = hasher(base)
+    got[0] = b"x" * 32  # the caller's list is its own: the kept chain is untouched
+    assert hasher(base) == page_hashes(NS, base)
+    with pytest.raises(InvalidTokensError):
+        hasher([-1])  # refused as page_hashes refuses it, even shorter than a page
+    small = PrefixHasher(NS, max_tokens=100)  # keeps about 100 tokens' worth of sequences
+    for share in (40, 80, 120, 40):
+        assert small(base[:share]) == page_hashes(NS, base[:share])
+    assert small._kept_tokens <= 120 and len(small._kept) == 1
     with pytest.raises(ConfigError, match="keeps >= 1"):
         PrefixHasher(NS, sequences=0)
 

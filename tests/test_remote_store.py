@@ -154,6 +154,15 @@ def test_admission_ttl_and_refusals(redis_server: RedisServer) -> None:
         open_store(redis_server.url, budget_bytes=PAGE_BYTES - 1)
     with pytest.raises(ConfigError, match="host slots"):
         open_store(redis_server.url).publish(1, [(pages[0], 10_000, 1)], pool)
+    with open_store(redis_server.url) as store:
+        # a reply no GET gets (a proxy's +OK, an integer): a miss, never a crash nor a delete
+        assert not store._take_page(pages[0], [True, memoryview(b"x")])
+        assert not store._take_page(pages[0], [7, None])
+        assert store.stats().verify_failures == 0
+    with open_store(redis_server.url) as store, pytest.raises(ConfigError, match="distinct"):
+        # a value lands in its slot before it is checked: a later bad page would overwrite
+        # an earlier one already reported read
+        store.fetch(4, pages[:2], pool, [5, 5])
 
 
 # -- bad values --------------------------------------------------------------------------------

@@ -140,7 +140,8 @@ class DiskTier:
         pages: list[tuple[bytes, int, int]] = []
         for item in batch:
             own = item.host_pages % cp == self.rank
-            assert own.size == len(item.hashes)
+            if own.size != len(item.hashes):
+                raise ValueError(f"{len(item.hashes)} page hashes for {own.size} host pages")
             slots = (item.host_pages[own] // cp).tolist()  # Python ints, one pass
             mine = compress(item.hashes, own.tolist())
             pages += zip(mine, slots, repeat(item.hits, len(slots)), strict=True)
@@ -214,6 +215,9 @@ class DiskTier:
         count = min(count, last - first)
         if count <= 0:
             return None
+        wanted = hashes[first : first + count]
+        if len(wanted) != count:
+            raise ValueError(f"{len(hashes)} page hashes for pages {first}..{first + count}")
         alloc, tree = self.host_allocator, self.tree
         locked = parent is not tree.root  # its host copy must outlive the reload
         if locked:
@@ -230,7 +234,7 @@ class DiskTier:
         ticket = self.ledger.issue(TicketKind.RELOAD)
         cp = self.tree.cp_size
         own = host_pages % cp == self.rank
-        mine = list(compress(hashes[first : first + count], own.tolist()))
+        mine = list(compress(wanted, own.tolist()))
         self._reloads[ticket] = _Reload(
             key.prefix((first + count) * P), cached_len, host_pages, parent, rid, hashes[first]
         )

@@ -156,7 +156,11 @@ class RemoteStore:
     # -- tickets ---------------------------------------------------------------------------------
 
     def _check_args(
-        self, hashes: Sequence[bytes], host_pool: HostPool | None, host_slots: Sequence[int]
+        self,
+        hashes: Sequence[bytes],
+        host_pool: HostPool | None,
+        host_slots: Sequence[int],
+        distinct: bool = False,
     ) -> None:
         bad = [h for h in hashes if not isinstance(h, bytes) or len(h) != HASH_BYTES]
         if bad:
@@ -172,6 +176,10 @@ class RemoteStore:
         outside = [s for s in host_slots if not 0 <= s < host_pool.num_slots]
         if outside:
             raise ConfigError(f"host slots {outside[:5]} are outside [0, {host_pool.num_slots})")
+        if distinct and len(set(host_slots)) != len(host_slots):
+            # a fetch reads each value into its slot before checking it: a slot given twice
+            # would let a later, bad page overwrite an earlier one reported read
+            raise ConfigError("a fetch's host slots must be distinct, one per page")
 
     def _take_ticket(self) -> bool:
         with self._events.cond:
@@ -441,7 +449,7 @@ class RemoteStore:
         self._raise_crash()
         if len(page_hashes) != len(host_slots):
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
-        self._check_args(page_hashes, host_pool, host_slots)
+        self._check_args(page_hashes, host_pool, host_slots, distinct=True)
         if not self._take_ticket():
             self.counters.add(fetches_refused=1)
             return False
@@ -483,7 +491,7 @@ class RemoteStore:
                 arrived = i + 1
                 if self._take_page(hashes[i], got):
                     ok[i] = True
-                elif all(v is not None and not isinstance(v, CommandError) for v in got):
+                elif all(isinstance(v, list | memoryview) for v in got):
                     bad.extend(keys[i])  # read but not intact: deleted below
 
         try:
@@ -509,8 +517,8 @@ class RemoteStore:
         """Whether every payload's value of a page arrived intact in its host slot. A missing
         or refused value is a miss; a bad one (another length is read into a buffer of its
         own) is counted and logged."""
-        if any(v is None or isinstance(v, CommandError) for v in values):
-            return False  # absent (never written, evicted, expired) or refused: a miss
+        if not all(isinstance(v, list | memoryview) for v in values):
+            return False  # absent (never written, evicted, expired), refused or no value: a miss
         why = next(
             (
                 f"payload {self.namespace.payloads[k].name}: {w}"
