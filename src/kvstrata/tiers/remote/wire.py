@@ -107,24 +107,18 @@ class _Reader:
     def read_into(self, dsts: Sequence[memoryview]) -> None:
         """Exactly as many bytes as ``dsts`` hold, in order: what is buffered, then the socket's
         (one ``recvmsg_into`` scatters into all of them: the kernel's copy, GIL released)."""
-        views = [d for d in dsts if len(d)]
-        while views and self.pos < self.end:  # what the small reads already buffered
-            take = min(self.end - self.pos, len(views[0]))
-            views[0][:take] = self.view[self.pos : self.pos + take]
+        views = list(dsts)
+        i = _advance(views, 0, 0)
+        while i < len(views) and self.pos < self.end:  # what the small reads already buffered
+            take = min(self.end - self.pos, len(views[i]))
+            views[i][:take] = self.view[self.pos : self.pos + take]
             self.pos += take
-            views[0] = views[0][take:]
-            if not len(views[0]):
-                views.pop(0)
-        while views:
-            got = self.sock.recvmsg_into(views[:IOV_MAX])[0]
+            i = _advance(views, i, take)
+        while i < len(views):
+            got = self.sock.recvmsg_into(views[i : i + IOV_MAX])[0]
             if got == 0:
                 raise redis.exceptions.ConnectionError("the server closed the connection")
-            while got:
-                take = min(got, len(views[0]))
-                got -= take
-                views[0] = views[0][take:]
-                if not len(views[0]):
-                    views.pop(0)
+            i = _advance(views, i, got)
 
     def reply(self, into: Into) -> Any:
         """One reply: True for +OK, an int, None for a nil, an exception for an error, a bulk
@@ -157,21 +151,27 @@ class _Reader:
         raise ProtocolError(f"unexpected reply {line[:40]!r}")
 
 
+def _advance(views: list[memoryview], i: int, n: int) -> int:
+    """Past ``n`` more bytes of ``views[i:]`` (the view it stops in is cut in place): the index
+    of the first view with bytes left, ``len(views)`` when none has."""
+    while n:
+        if n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    while i < len(views) and len(views[i]) == 0:
+        i += 1
+    return i
+
+
 def _send(sock: socket.socket, chunks: Sequence[Chunk]) -> None:
     """Every byte of ``chunks``, gathered by the kernel (``sendmsg``, IOV_MAX at a time)."""
     views = [memoryview(c).cast("B") for c in chunks]
-    i = 0
+    i = _advance(views, 0, 0)
     while i < len(views):
-        sent = sock.sendmsg(views[i : i + IOV_MAX])
-        while sent > 0:
-            if sent >= len(views[i]):
-                sent -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
-        while i < len(views) and len(views[i]) == 0:
-            i += 1
+        i = _advance(views, i, sock.sendmsg(views[i : i + IOV_MAX]))
 
 
 class WireConnection(Connection):
