@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lmdb
-import numpy as np
 
 from ..errors import CapacityError, ConfigError, DiskStoreError
 from .disk_audit import GroupAudit, Problem, audit_group
@@ -196,7 +195,10 @@ class DiskStore:
 
     # -- spill -----------------------------------------------------------------------------------
 
-    def _check_host_pool(self, host_pool: HostPool, host_slots: Sequence[int]) -> None:
+    def _check_host_pool(
+        self, host_pool: HostPool, host_slots: Sequence[int], distinct: bool = False
+    ) -> list[int]:
+        """The slots as ints (``HostPool.check_slots``), the pool's geometry checked first."""
         if (
             host_pool.layout != self.namespace.layout
             or host_pool.page_size != self.namespace.page_size
@@ -206,18 +208,7 @@ class DiskStore:
                 f"{host_pool.layout} / {host_pool.page_size} vs {self.namespace.layout} / "
                 f"{self.namespace.page_size}"
             )
-        slots = host_slots if isinstance(host_slots, np.ndarray) else np.asarray(host_slots)
-        if slots.dtype.kind in "iub":  # integers: one pass, not one Python test a slot
-            if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= host_pool.num_slots):
-                bad = slots[(slots < 0) | (slots >= host_pool.num_slots)][:5].tolist()
-                raise ConfigError(f"host slots {bad} are outside [0, {host_pool.num_slots})")
-        else:
-            bad = [s for s in host_slots if not 0 <= s < host_pool.num_slots]
-            if bad or not all(float(s).is_integer() for s in host_slots):
-                raise ConfigError(
-                    f"host slots must be integers in [0, {host_pool.num_slots}), got "
-                    f"{list(host_slots)[:5]}"
-                )
+        return host_pool.check_slots(host_slots, distinct)
 
     @staticmethod
     def _check_hashes(page_hashes: Sequence[bytes]) -> None:
@@ -399,10 +390,9 @@ class DiskStore:
         if len(page_hashes) != len(host_slots):
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
         self._check_hashes(page_hashes)
-        self._check_host_pool(host_pool, host_slots)
+        self._check_host_pool(host_pool, host_slots, distinct=True)
         if self._closed:
             return [False] * len(page_hashes)
-        _distinct(host_slots)
         self.touch(page_hashes)
         return self._reader.read(page_hashes, host_pool, host_slots)
 
@@ -419,8 +409,7 @@ class DiskStore:
         if len(page_hashes) != len(host_slots):
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
         self._check_hashes(page_hashes)
-        self._check_host_pool(host_pool, host_slots)
-        slots = _distinct(host_slots)
+        slots = self._check_host_pool(host_pool, host_slots, distinct=True)
         if not self._take_ticket(reload=True):
             return False
         self.counters.add(reloads=1)
@@ -550,12 +539,3 @@ class DiskStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _distinct(host_slots: Sequence[int]) -> list[int]:
-    """``host_slots`` as a list of ints, each once: a read lands every page in its own slot, so a
-    slot given twice would let a later page overwrite an earlier one already reported read."""
-    slots = host_slots.tolist() if isinstance(host_slots, np.ndarray) else list(host_slots)
-    if len(set(slots)) != len(slots):
-        raise ConfigError("a read's host slots must be distinct, one per page")
-    return slots

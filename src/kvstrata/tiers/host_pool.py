@@ -30,8 +30,10 @@ from __future__ import annotations
 import math
 import mmap
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..config import DEFAULT_HOST_LAYOUT, HOST_LAYOUTS, HostLayout, KVLayout
@@ -237,6 +239,27 @@ class HostPool:
     @property
     def total_bytes(self) -> int:
         return self.page_bytes * self.num_slots
+
+    def check_slots(self, host_slots: Sequence[int], distinct: bool = False) -> list[int]:
+        """``host_slots`` as Python ints, each a slot of this pool (ConfigError otherwise), and
+        with ``distinct`` each at most once: a read lands every page in its own slot, so a slot
+        given twice would let a later page overwrite an earlier one already reported read."""
+        slots = host_slots if isinstance(host_slots, np.ndarray) else np.asarray(host_slots)
+        if slots.dtype.kind in "iub":  # integers: one pass, not one Python test a slot
+            if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+                bad = slots[(slots < 0) | (slots >= self.num_slots)][:5].tolist()
+                raise ConfigError(f"host slots {bad} are outside [0, {self.num_slots})")
+        else:
+            bad = [s for s in host_slots if not 0 <= s < self.num_slots]
+            if bad or not all(float(s).is_integer() for s in host_slots):
+                raise ConfigError(
+                    f"host slots must be integers in [0, {self.num_slots}), got "
+                    f"{list(host_slots)[:5]}"
+                )
+        out: list[int] = slots.astype(np.int64, copy=False).tolist()
+        if distinct and len(set(out)) != len(out):
+            raise ConfigError("host slots must be distinct, one per page read")
+        return out
 
     def slab_bounds(self, slab: int) -> tuple[int, int]:
         """The host slots ``[start, stop)`` that slab ``slab`` stores."""

@@ -173,13 +173,8 @@ class RemoteStore:
                 "the host pool's layout or page size differs from the remote namespace's: "
                 f"{host_pool.layout} / {host_pool.page_size} vs {ns.layout} / {ns.page_size}"
             )
-        outside = [s for s in host_slots if not 0 <= s < host_pool.num_slots]
-        if outside:
-            raise ConfigError(f"host slots {outside[:5]} are outside [0, {host_pool.num_slots})")
-        if distinct and len(set(host_slots)) != len(host_slots):
-            # a fetch reads each value into its slot before checking it: a slot given twice
-            # would let a later, bad page overwrite an earlier one reported read
-            raise ConfigError("a fetch's host slots must be distinct, one per page")
+        # distinct for a fetch: each value lands in its slot before it is checked
+        host_pool.check_slots(host_slots, distinct)
 
     def _take_ticket(self) -> bool:
         with self._events.cond:
