@@ -71,10 +71,13 @@ def client(url: str) -> redis.Redis:
 # -- round trips -------------------------------------------------------------------------------
 
 
-def test_round_trip_every_payload_byte(store_url: str) -> None:
+@pytest.mark.parametrize("window", [1, 2])
+def test_round_trip_every_payload_byte(store_url: str, window: int) -> None:
+    """40 pages in 6 batches of 7 over 3 connections: 2 batches a connection, sent one at a
+    time or both at once (``publish_window``)."""
     src, dst = host_pool(), host_pool()
     pages = hashes(40)
-    with open_store(store_url, batch_pages=7) as store:
+    with open_store(store_url, batch_pages=7, publish_window=window) as store:
         done = publish_all(store, src, pages, ticket=3)
         assert done.released == (3,) and len(done.published) == 1
         pub = done.published[0]
@@ -446,10 +449,10 @@ def test_a_write_lost_after_the_budget_check_is_counted_once(
     refused count as skipped for the budget only, the rest as unavailable."""
     from kvstrata.tiers.remote.client import RedisClient, StoreUnavailable
 
-    def lost(self: RedisClient, items: object, ttl_s: int) -> None:
+    def lost(self: RedisClient, batches: object, ttl_s: int, done: object, window: int) -> None:
         raise StoreUnavailable("connection lost", timeout=False)
 
-    monkeypatch.setattr(RedisClient, "set_new", lost)
+    monkeypatch.setattr(RedisClient, "set_new_stream", lost)
     pool, pages = host_pool(), hashes(3)
     with open_store(redis_server.url, budget_bytes=PAGE_BYTES) as store:
         done = publish_all(store, pool, pages, ticket=1).published[0]
@@ -461,6 +464,31 @@ def test_a_write_lost_after_the_budget_check_is_counted_once(
 
 
 # -- round trips per ticket and a cluster's slot map -------------------------------------------
+
+
+def test_a_store_lost_mid_stream_keeps_the_batches_it_stored(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection fails after the first of a stream's batches was stored: that batch counts
+    as written (and is in the store), the rest as unavailable, and the budget is given back."""
+    from kvstrata.tiers.remote.client import RedisClient, StoreUnavailable
+
+    def first_only(self: RedisClient, batches: Any, ttl_s: int, done: Any, window: int) -> None:
+        done(0, self.set_new(next(iter(batches)), ttl_s))
+        raise StoreUnavailable("connection lost", timeout=False)
+
+    monkeypatch.setattr(RedisClient, "set_new_stream", first_only)
+    pool, pages = host_pool(), hashes(5)
+    with open_store(redis_server.url, batch_pages=1, threads=1) as store:
+        done = publish_all(store, pool, pages, ticket=1).published[0]
+        assert done.written == tuple(pages[:1]) and done.failed == tuple(pages[1:])
+        stats = store.stats()
+        assert stats.pages_written == 1 and stats.skipped_unavailable == 4
+        assert stats.used_bytes == PAGE_BYTES and stats.connection_errors == 1
+        store.check()
+    monkeypatch.undo()
+    with open_store(redis_server.url) as store:
+        assert store.lookup(pages) == 1
 
 
 def test_a_publish_asks_which_pages_exist_once_per_ticket(

@@ -142,3 +142,48 @@ def test_a_reply_past_the_asked_ones_drops_the_connection(redis_server: RedisSer
         assert client.exists([b"nobody"]) == [False]  # a fresh connection answers
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_calls_sent_ahead_are_built_after_the_ones_before_were_sent(
+    redis_server: RedisServer, window: int
+) -> None:
+    """``exchange_many`` draws each call once the ones before it were sent and reads the oldest
+    call's replies only once ``window`` calls are out: the order of events proves both, and
+    every reply reaches its own call."""
+    from kvstrata.tiers.remote.wire import Call
+
+    client = RedisClient(parse_url(redis_server.url), 2.0, 4)
+    events: list[str] = []
+    replies: dict[int, list[object]] = {}
+
+    def calls(n: int):  # type: ignore[no-untyped-def]
+        for c in range(n):
+            events.append(f"build {c}")
+            got: list[object] = []
+            replies[c] = got
+            key = b"wire-window-%d" % c
+            yield Call(
+                [command(b"SET", key, b"v%d" % c), command(b"GET", key)],
+                [None, None],
+                lambda j, r, got=got: got.append(bytes(r) if isinstance(r, memoryview) else r),
+                lambda c=c: events.append(f"done {c}"),
+            )
+
+    try:
+        pool = client._redis.connection_pool  # type: ignore[union-attr]
+        conn = pool.get_connection()
+        try:
+            conn.exchange_many(calls(4), window)
+        finally:
+            pool.release(conn)
+    finally:
+        client.close()
+    assert replies == {c: [True, b"v%d" % c] for c in range(4)}
+    want: list[str] = []
+    for c in range(4):  # call c is built, then the oldest is read once `window` are out
+        want.append(f"build {c}")
+        if c + 1 >= window:
+            want.append(f"done {c + 1 - window}")
+    want += [f"done {c}" for c in range(max(0, 4 - window + 1), 4)]
+    assert events == want

@@ -6,14 +6,15 @@ pool of ``--gib`` GiB of random pages at a real model's page geometry (default L
 16 layers x 8 KV heads x 64 x bf16, page 16, K and V: 256 KiB per payload per page) is published
 to a :class:`~kvstrata.tiers.remote.store.RemoteStore` (one EXISTS pipeline per ticket of
 ``--ticket-pages`` pages, then CRC-32C over the host pool's bytes and SET NX pipelines of
-``--batch-pages`` pages sent from them on ``--threads`` connections) and fetched back into
-another host pool (GET pipelines read into a per-thread buffer, every page checked, header and
-CRC, and copied into its host slot), then every byte is compared. In the same rounds, ``redis-benchmark`` SETs and GETs as many values of the same size
-(header + payload; every SET a new key on an emptied server, as ours are, reads alternating who
-goes first) over as many keys, with as many connections (``-c``), once with the
-same pipeline depth (``-P``: pages per round trip x payloads) and once without pipelining; the
-faster of the two is the reference (deep pipelines of large values slow redis-benchmark's GETs
-down). ``ratio`` is ours over that (median of ``--repeat`` rounds); GB/s counts value bytes.
+``--batch-pages`` pages sent from them on ``--threads`` connections, ``--publish-window`` of
+them in flight on each) and fetched back into another host pool (GET pipelines read straight into
+the host slots, every page checked, header and CRC), then every byte is compared. In the same
+rounds, ``redis-benchmark`` SETs and GETs as many values of the same size (header + payload; every
+SET a new key on an emptied server, as ours are, reads alternating who goes first) over as many
+keys, with as many connections (``-c``), at the same pipeline depth (``-P``: pages per round trip x
+payloads, and for SET that times the publish window as well) and without pipelining; the fastest
+is the reference (deep pipelines of large values slow redis-benchmark down). ``ratio`` is ours
+over that (median of ``--repeat`` rounds); GB/s counts value bytes.
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ def build_parser() -> CommandParser:
         help="connections (round trips in flight; the store's default)",
     )
     ap.add_argument(
+        "--publish-window",
+        type=int,
+        default=RemoteConfig.publish_window,
+        help="SET batches in flight per connection on a publish (the store's default)",
+    )
+    ap.add_argument(
         "--repeat", type=int, default=5, help="rounds, alternating with redis-benchmark"
     )
     ap.add_argument(
@@ -105,6 +112,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{flag} must lie in [1, {_MAX_PAGES}], got {getattr(args, name)}")
     if not 1 <= args.threads <= 64:
         raise ConfigError(f"--threads must lie in [1, 64], got {args.threads}")
+    if not 1 <= args.publish_window <= 8:
+        raise ConfigError(f"--publish-window must lie in [1, 8], got {args.publish_window}")
     if not 1 <= args.repeat <= _MAX_REPEAT:
         raise ConfigError(f"--repeat must lie in [1, {_MAX_REPEAT}], got {args.repeat}")
     if not 0 < args.gib <= 64:
@@ -193,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in src.tensors():
         t.view(torch.uint8).random_(0, 256, generator=gen)
     depth = args.batch_pages * kinds
+    # a publish has up to publish_window batches in flight: redis-benchmark gets that depth too
+    set_depths = sorted({depth, depth * args.publish_window, 1}, reverse=True)
     bench_common = ["-n", str(keys), "-r", str(keys), "-c", str(args.threads)]
     rounds: dict[str, list[float]] = {"publish": [], "set": [], "fetch": [], "get": []}
     cpu_s: dict[str, float] = dict.fromkeys(rounds, 0.0)  # client CPU seconds, all rounds
@@ -216,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 budget_bytes=2 * total + (1 << 20),
                 batch_pages=args.batch_pages,
                 threads=args.threads,
+                publish_window=args.publish_window,
                 timeout_s=30.0,
                 tune_malloc=args.tune_malloc,
             )
@@ -226,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                     t.view(torch.uint8).zero_()
                 # Every timed write starts on an emptied server and writes new keys (a new
                 # value costs the server fresh memory: twice an overwrite's time, measured).
-                note("set", *_set_round(admin, server.port, bench_common, depth, value))
+                note("set", *_set_round(admin, server.port, bench_common, set_depths, value))
                 admin.flushall()
                 note("publish", *_publish(store, src, hashes, args.ticket_pages, total))
                 ours_first = r % 2 == 0  # reads alternate who goes first
@@ -264,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"pages      {pages:,} ({total / 2**30:.2f} GiB of values, {keys:,} keys), "
-        f"{args.repeat} rounds, median; {args.threads} connections, {depth} values a round trip "
-        f"(redis-benchmark: the faster of -P {depth} and -P 1)"
+        f"{args.repeat} rounds, median; {args.threads} connections, {depth} values a round trip, "
+        f"{args.publish_window} SET round trip(s) in flight on each (redis-benchmark: the "
+        f"fastest of -P {' / '.join(map(str, set_depths))} for SET, -P {depth} / 1 for GET)"
     )
     print(
         f"client     redis-py {redis.__version__} + hiredis {hiredis.__version__}, malloc "
@@ -311,13 +324,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _set_round(
-    admin: Any, port: int, common: list[str], depth: int, value: int
+    admin: Any, port: int, common: list[str], depths: list[int], value: int
 ) -> tuple[float, float]:
     """redis-benchmark's SET of ``value``-byte values to new keys on an emptied server, the
-    faster of pipelines ``depth`` deep and none: bytes per second, and its CPU seconds then."""
+    fastest of pipelines ``depths`` deep: bytes per second, and its CPU seconds then."""
     argv = ["-t", "set", "-d", str(value), *common, "-r", str(_NEW_KEYS)]  # the last -r wins
     runs = []
-    for p in (depth, 1):
+    for p in depths:
         admin.flushall()
         runs.append(_redis_benchmark(port, [*argv, "-P", str(p)]))
     rps, cpu = max(runs)

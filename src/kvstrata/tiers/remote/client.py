@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -32,7 +33,7 @@ from redis.retry import Retry
 
 from .config import RemoteAddress
 from .values import PageValue
-from .wire import Chunk, Into, WireConnection, command, set_command
+from .wire import Call, Chunk, Into, WireConnection, command, set_command
 
 log = logging.getLogger("kvstrata.remote")
 #: Keys a SCAN asks for per round trip.
@@ -143,6 +144,21 @@ _DOWN = (
 )
 
 
+def _taken(reply: Any) -> Any:
+    """A reply as the callers see it: a refusal of one command as a :class:`CommandError`; a
+    node down or loading raised (the whole call counts as down)."""
+    if isinstance(reply, _DOWN):
+        raise reply
+    if isinstance(reply, Exception):
+        return CommandError(str(reply))
+    return reply
+
+
+def _was_new(reply: Any) -> bool | CommandError:
+    """A SET NX's reply: True where the key was new."""
+    return reply if isinstance(reply, CommandError) else reply is True
+
+
 class RedisClient:
     """Pipelines against one store; safe to call from several threads at once."""
 
@@ -213,11 +229,8 @@ class RedisClient:
 
         def deliver(i: int, r: Any) -> None:
             nonlocal moved
-            if isinstance(r, _DOWN):  # a node down or loading: the whole call counts as down
-                raise r
-            if isinstance(r, Exception):
-                moved |= isinstance(r, redis.exceptions.AskError)  # MOVED is an AskError
-                r = CommandError(str(r))
+            moved |= isinstance(r, redis.exceptions.AskError)  # MOVED is an AskError
+            r = _taken(r)
             if each is None:
                 replies[i] = r
             else:
@@ -270,8 +283,47 @@ class RedisClient:
     ) -> list[bool | CommandError]:
         """SET NX (with EX ``ttl_s`` when > 0) of each item: True where the key was new."""
         keys = [k for k, _ in items]
-        got = self._pipeline(keys, lambda i: set_command(*items[i], ttl_s))
-        return [r if isinstance(r, CommandError) else r is True for r in got]
+        return [_was_new(r) for r in self._pipeline(keys, lambda i: set_command(*items[i], ttl_s))]
+
+    def set_new_stream(
+        self,
+        batches: Iterable[Sequence[tuple[bytes, PageValue]]],
+        ttl_s: int,
+        done: Callable[[int, list[bool | CommandError]], None],
+        window: int,
+    ) -> None:
+        """:meth:`set_new` of each batch in turn, handed to ``done(b, result)`` as batch ``b``'s
+        replies arrive. On a standalone store the batches go over one connection with up to
+        ``window`` of them in flight, each drawn from ``batches`` once the ones before it were
+        sent (while the server stores them); a cluster's run one at a time (their keys spread
+        over several nodes' connections). Raises :class:`StoreUnavailable` with the batches
+        before the failure reported."""
+        r = self._redis
+        if isinstance(r, _RedisCluster):
+            for b, items in enumerate(batches):
+                done(b, self.set_new(items, ttl_s))
+            return
+
+        def calls() -> Iterator[Call]:
+            for b, items in enumerate(batches):
+                got: list[bool | CommandError] = [False] * len(items)
+
+                def each(j: int, reply: Any, got: list[bool | CommandError] = got) -> None:
+                    got[j] = _was_new(_taken(reply))
+
+                chunks = [c for key, value in items for c in set_command(key, value, ttl_s)]
+                yield Call(chunks, [None] * len(items), each, functools.partial(done, b, got))
+
+        pool = r.connection_pool
+        try:
+            conn = pool.get_connection()
+            try:
+                assert isinstance(conn, WireConnection)  # the pool's connection class
+                conn.exchange_many(calls(), window)
+            finally:
+                pool.release(conn)
+        except _DOWN as err:
+            raise _unavailable(err) from None
 
     def delete(self, keys: Sequence[bytes]) -> None:
         self._pipeline(keys, lambda i: [command(b"DEL", keys[i])])

@@ -122,6 +122,9 @@ class RemoteConfig:
     threads: round trips in flight (each on its own connection and thread). 3 measured best on
         the H200 host (16 cores): fetch 0.79-0.86x ``redis-benchmark``'s GET against 0.71-0.77x
         with 2 (docs/benchmarks.md, "Shared tier").
+    publish_window: SET batches a publish keeps in flight on one connection (a standalone
+        store; a cluster's go one at a time): the next batch's values are made while the server
+        stores the ones before.
     max_tickets: publish and fetch tickets in flight or unpolled; more are refused.
     tune_malloc: raise glibc's mmap and trim thresholds once (``mallopt``) so that large
         short-lived allocations reuse heap memory instead of faulting fresh pages (it was worth
@@ -138,6 +141,7 @@ class RemoteConfig:
     ttl_s: int = 0
     batch_pages: int = 4
     threads: int = 3
+    publish_window: int = 2
     max_tickets: int = 64
     tune_malloc: bool = True
     password: str | None = field(default=None, repr=False)
@@ -151,6 +155,7 @@ class RemoteConfig:
             ("ttl_s", 0),
             ("batch_pages", 1),
             ("threads", 1),
+            ("publish_window", 1),
             ("max_tickets", 1),
         ):
             value = getattr(self, name)
@@ -158,6 +163,8 @@ class RemoteConfig:
                 raise ConfigError(f"remote {name} must be an integer >= {least}, got {value!r}")
         if self.threads > 64:
             raise ConfigError(f"remote threads must be at most 64, got {self.threads}")
+        if self.publish_window > 8:
+            raise ConfigError(f"remote publish_window must be at most 8, got {self.publish_window}")
         for name in ("timeout_s", "breaker_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not 0 < value <= 3600:

@@ -48,7 +48,7 @@ from ..page_hash import HASH_BYTES, Namespace
 from .client import Breaker, CommandError, RedisClient, StoreUnavailable, log, tune_malloc
 from .config import RemoteConfig
 from .results import COUNTERS, Events, FetchDone, PublishDone, RemotePoll, RemoteStats
-from .values import PageCodec, key_kind, rank_pattern
+from .values import PageCodec, PageValue, key_kind, rank_pattern
 
 #: A GET's reply as the fetch sees it: read in place (the views it was given), in a buffer of
 #: its own (another length), absent, or refused.
@@ -254,37 +254,62 @@ class RemoteStore:
         with self._events.cond:
             job.pending += len(batches)
             job.gathering += len(batches)
-        for queued, batch in enumerate(batches):
+        streams = min(self.config.threads, len(batches))
+        for s in range(streams):  # batch i on stream i % streams: each stream in page order
             try:
-                self._io.submit(self._guard, self._publish_batch, job, batch)
+                self._io.submit(self._guard, self._publish_stream, job, batches[s::streams])
             except RuntimeError:  # the store is closing: its threads take no more work
-                unsent = batches[queued:]
-                count = sum(len(b) for b in unsent)
-                self.counters.add(skipped_unavailable=count)
-                with self._budget_lock:
-                    self._reserved -= count * self.page_bytes
-                with self._events.cond:
-                    job.pending -= len(unsent)
-                    job.gathering -= len(unsent)
+                for r in range(s, streams):
+                    for batch in batches[r::streams]:
+                        self._settle_batch(job, batch, None)
                 break
         self._gathered(job)
         self._batch_done(job, [], present)
 
-    def _publish_batch(self, job: _Job, pages: list[tuple[bytes, int]]) -> None:
-        """SET NX of ``pages``' values (their budget reserved by :meth:`_publish_job`)."""
-        n, keys = len(self._kinds), [self._keys(h) for h, _ in pages]
+    def _publish_stream(self, job: _Job, batches: list[list[tuple[bytes, int]]]) -> None:
+        """SET NX of each batch's values (their budget reserved by :meth:`_publish_job`) on one
+        connection, ``config.publish_window`` batches in flight: the next batch's values (their
+        CRC-32C) are made while the server stores the ones before. Every batch is settled once,
+        sent or not."""
+        settled = [False] * len(batches)
+
+        def items(batch: list[tuple[bytes, int]]) -> list[tuple[bytes, PageValue]]:
+            return [
+                (key, self._codec.encode(k, h, job.host_pool, slot))
+                for h, slot in batch
+                for k, key in zip(self._kinds, self._keys(h), strict=True)
+            ]
+
+        def done(b: int, stored: list[bool | CommandError]) -> None:
+            settled[b] = True
+            self._settle_batch(job, batches[b], stored)
+
+        try:
+            self._call(
+                lambda c: c.set_new_stream(
+                    map(items, batches), self.config.ttl_s, done, self.config.publish_window
+                )
+            )
+        except StoreUnavailable:
+            pass
+        finally:
+            for b, batch in enumerate(batches):
+                if not settled[b]:
+                    self._settle_batch(job, batch, None)
+
+    def _settle_batch(
+        self, job: _Job, pages: list[tuple[bytes, int]], stored: list[bool | CommandError] | None
+    ) -> None:
+        """Count a batch's SET NX replies (None: not stored, the store unavailable), give back
+        its budget reservation and finish it in its job."""
+        n = len(self._kinds)
         written: list[bytes] = []
         present: list[bytes] = []
-        gathered, new_bytes = False, 0
-        try:
-            items = [
-                (keys[i][k], self._codec.encode(k, h, job.host_pool, slot))
-                for i, (h, slot) in enumerate(pages)
-                for k in self._kinds
-            ]
-            stored = self._call(lambda c: c.set_new(items, self.config.ttl_s))
-            self._gathered(job)  # sent: the host pool's bytes are not read again
-            gathered = True
+        new_bytes = 0
+        self._gathered(job)  # sent or failed: the host pool's bytes are not read again
+        if stored is None:
+            self.counters.add(skipped_unavailable=len(pages))
+        else:
             for i, (h, _) in enumerate(pages):
                 res = stored[i * n : (i + 1) * n]
                 errors = [r for r in res if isinstance(r, CommandError)]
@@ -294,18 +319,13 @@ class RemoteStore:
                     continue
                 new_bytes += sum(self._value_len[k] for k, r in enumerate(res) if r is True)
                 (written if any(r is True for r in res) else present).append(h)
-        except StoreUnavailable:
-            self.counters.add(skipped_unavailable=len(pages) - len(written) - len(present))
-        finally:
-            if not gathered:
-                self._gathered(job)
-            with self._budget_lock:
-                self._reserved -= len(pages) * self.page_bytes
-                self._used += new_bytes
-            self.counters.add(
-                pages_written=len(written), bytes_written=new_bytes, pages_present=len(present)
-            )
-            self._batch_done(job, written, present)
+        with self._budget_lock:
+            self._reserved -= len(pages) * self.page_bytes
+            self._used += new_bytes
+        self.counters.add(
+            pages_written=len(written), bytes_written=new_bytes, pages_present=len(present)
+        )
+        self._batch_done(job, written, present)
 
     def _batch_done(self, job: _Job, written: list[bytes], present: list[bytes]) -> None:
         with self._events.cond:

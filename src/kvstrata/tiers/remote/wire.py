@@ -21,9 +21,11 @@ one next time.
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -151,6 +153,24 @@ class _Reader:
         raise ProtocolError(f"unexpected reply {line[:40]!r}")
 
 
+@dataclass(frozen=True)
+class Call:
+    """One pipeline of an exchange: its commands' ``chunks``, where each reply is read
+    (``into``, one per command) and who takes it (``each(j, reply)``); ``done()`` runs after
+    the last reply."""
+
+    chunks: Sequence[Chunk]
+    into: Sequence[Into]
+    each: Callable[[int, Any], None]
+    done: Callable[[], None] | None = None
+
+    def read(self, reader: _Reader) -> None:
+        for j, dst in enumerate(self.into):
+            self.each(j, reader.reply(dst))
+        if self.done is not None:
+            self.done()
+
+
 def _advance(views: list[memoryview], i: int, n: int) -> int:
     """Past ``n`` more bytes of ``views[i:]`` (the view it stops in is cut in place): the index
     of the first view with bytes left, ``len(views)`` when none has."""
@@ -192,15 +212,28 @@ class WireConnection(Connection):
         long (see :meth:`_Reader.reply`; it may be reused for a later reply once ``each``
         returned). Raises redis-py's TimeoutError or ConnectionError, or what ``each`` raised,
         having dropped the connection."""
+        self.exchange_many([Call(chunks, into, each)], window=1)
+
+    def exchange_many(self, calls: Iterable[Call], window: int) -> None:
+        """:meth:`exchange` of each call in turn, with up to ``window`` calls sent before the
+        oldest one's replies are read. ``calls`` is drawn lazily: a call is built after the ones
+        before it were sent, while the server works on them (a publish computes the next
+        batch's CRC-32C there). Only for commands with small replies when ``window`` > 1: the
+        replies of calls sent ahead wait in the server's buffers until they are read."""
         if self._sock is None:
             self.connect()
         sock = self._sock
         assert isinstance(sock, socket.socket)
         try:
-            _send(sock, chunks)
             reader = _Reader(sock, self._read_buf)
-            for j, dst in enumerate(into):
-                each(j, reader.reply(dst))
+            sent: collections.deque[Call] = collections.deque()
+            for call in calls:
+                _send(sock, call.chunks)
+                sent.append(call)
+                if len(sent) >= window:
+                    sent.popleft().read(reader)
+            while sent:
+                sent.popleft().read(reader)
             if reader.pending:
                 raise ProtocolError(f"{reader.pending} bytes past the last reply")
         except TimeoutError:  # socket.timeout
