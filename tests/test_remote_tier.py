@@ -126,7 +126,10 @@ def _replay(url: str, *extra: str) -> tuple[int, dict, float]:
 @pytest.mark.slow
 def test_two_processes_share_one_store_with_verified_bytes(redis_server: RedisServer) -> None:
     rc1, first, _ = _replay(redis_server.url, "--verify", "10")
-    rc2, second, _ = _replay(redis_server.url, "--verify", "10", "--remote-connections", "1")
+    rc2, second, _ = _replay(
+        redis_server.url, "--verify", "10", "--remote-connections", "1",
+        "--remote-publish-window", "2",
+    )  # fmt: skip
     assert rc1 == rc2 == 0
     assert first["verify"]["ok"] and second["verify"]["ok"]
     assert second["verify"]["payload_mismatched_bytes"] == 0
@@ -138,6 +141,8 @@ def test_two_processes_share_one_store_with_verified_bytes(redis_server: RedisSe
     assert (
         first["config"]["remote_connections"] == 3 and second["config"]["remote_connections"] == 1
     )
+    assert first["config"]["remote_publish_window"] == 1
+    assert second["config"]["remote_publish_window"] == 2
 
 
 @pytest.mark.slow
@@ -167,6 +172,11 @@ def test_remote_configuration_errors(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="remote-connections"):
             EngineConfig(
                 l2_tokens=1024, remote_url="redis://h:1", remote_gib=1.0, remote_connections=n
+            )
+    for n in (0, 9):
+        with pytest.raises(ConfigError, match="remote-publish-window"):
+            EngineConfig(
+                l2_tokens=1024, remote_url="redis://h:1", remote_gib=1.0, remote_publish_window=n
             )
     with pytest.raises(ConfigError, match="nothing would reach"):
         EngineConfig(

@@ -76,6 +76,7 @@ CONFIG_ADDED = {
     *(f"sim_links.{k}" for k in ("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
     "remote", "remote_gib", "remote_timeout_ms", "remote_min_hits",  # new with --remote
     "remote_connections",  # new with --remote-connections
+    "remote_publish_window",  # new with --remote-publish-window
     "l3_io",  # new with --l3-io
 }  # fmt: skip
 L3 = {
@@ -148,7 +149,7 @@ def test_cache_only_summary_keys_and_config(tmp_path: Path) -> None:
         "verify_atol": None, "cost_profile": None, "model_shape": None, "l1_gib": 0.0,
         "sim_links": dict.fromkeys(("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
         "remote": None, "remote_gib": None, "remote_timeout_ms": None, "remote_min_hits": None,
-        "remote_connections": None,
+        "remote_connections": None, "remote_publish_window": None,
     }  # fmt: skip
 
 
@@ -172,7 +173,7 @@ def test_model_summary_keys_and_config() -> None:
         "verify_atol": None, "cost_profile": None, "model_shape": None, "l1_gib": 0.0,
         "sim_links": dict.fromkeys(("h2d_gbps", "d2h_gbps", "disk_read_gbps", "disk_write_gbps")),
         "remote": None, "remote_gib": None, "remote_timeout_ms": None, "remote_min_hits": None,
-        "remote_connections": None,
+        "remote_connections": None, "remote_publish_window": None,
     }  # fmt: skip
 
 

@@ -262,6 +262,14 @@ def engine_flags(p: argparse.ArgumentParser, grid: bool) -> None:
         help="round trips in flight to the store, each on a connection and thread of its own",
     )
     p.add_argument(
+        "--remote-publish-window",
+        type=int,
+        default=EngineConfig.remote_publish_window,
+        metavar="N",
+        help="SET pipelines a publish keeps in flight on each connection (more can hide a "
+        "network's round trip; 1 measured best on loopback)",
+    )
+    p.add_argument(
         "--cp",
         type=int,
         default=ReplayConfig.cp,
@@ -450,6 +458,7 @@ def replay_config(args: argparse.Namespace) -> ReplayConfig:
             remote_timeout_ms=args.remote_timeout_ms,
             remote_min_hits=args.remote_min_hits,
             remote_connections=args.remote_connections,
+            remote_publish_window=args.remote_publish_window,
             remote_password=password_from_env(os.environ) if args.remote else None,
             cp_attention=args.cp_attention,
             check_digests=args.check_digests,

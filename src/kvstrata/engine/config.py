@@ -52,6 +52,7 @@ class EngineConfig:
     remote_timeout_ms: float = 500.0  # socket timeout of every round trip to the store
     remote_min_hits: int = 1  # publish only pages used at least this often
     remote_connections: int = 3  # round trips in flight to the store (a connection and thread each)
+    remote_publish_window: int = 1  # SET pipelines a publish has in flight per connection
     remote_password: str | None = field(default=None, repr=False)  # when the URL has none
     cp_attention: str = "auto"  # under CP: move_kv, move_queries, or auto (cheaper per step)
     check_digests: bool = False  # under CP: compare replicated digests across ranks every step
@@ -153,6 +154,9 @@ class EngineConfig:
             raise ConfigError(
                 f"--remote-connections must lie in [1, 64], got {self.remote_connections!r}"
             )
+        window = self.remote_publish_window
+        if not isinstance(window, int) or not 1 <= window <= 8:
+            raise ConfigError(f"--remote-publish-window must lie in [1, 8], got {window!r}")
         if self.write_policy != "write_through":
             raise ConfigError(
                 f"the shared tier publishes the pages each write-through backup commits; with "

@@ -545,6 +545,7 @@ def _open_remote(config: EngineConfig, namespace: Namespace, rank: int) -> Remot
         timeout_s=config.remote_timeout_ms / 1e3,
         min_hits=config.remote_min_hits,
         threads=config.remote_connections,
+        publish_window=config.remote_publish_window,
         password=config.remote_password,
         # As for the disk: one publish per step, and per reload (at most a step's admissions,
         # all finished at the fixed point) a fetch past the disk's pages and a retry of those

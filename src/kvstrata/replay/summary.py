@@ -265,9 +265,13 @@ def config_block(
     block["sim_links"] = asdict(cfg.sim_links)
     applies = {
         ("l3_gib", "l3_start", "l3_min_hits", "l3_io"): bool(engine.l3_dir),
-        ("remote_gib", "remote_timeout_ms", "remote_min_hits", "remote_connections"): bool(
-            engine.remote_url
-        ),
+        (
+            "remote_gib",
+            "remote_timeout_ms",
+            "remote_min_hits",
+            "remote_connections",
+            "remote_publish_window",
+        ): bool(engine.remote_url),
         ("host_layout", "write_policy", "write_through_hits"): engine.has_l2,
         ("kv_width",): cfg.model == "none",
         ("attention",): cfg.model != "none",

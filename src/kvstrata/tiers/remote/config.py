@@ -124,7 +124,10 @@ class RemoteConfig:
         with 2 (docs/benchmarks.md, "Shared tier").
     publish_window: SET batches a publish keeps in flight on one connection (a standalone
         store; a cluster's go one at a time): the next batch's values are made while the server
-        stores the ones before.
+        stores the ones before, which can hide a network's round trip (only loopback was
+        measured). On loopback (the H200 host, 3 connections) 1 measured 0.81-0.83x
+        ``redis-benchmark``'s SET in four runs, 2 0.67-0.83x (docs/benchmarks.md, "Shared
+        tier").
     max_tickets: publish and fetch tickets in flight or unpolled; more are refused.
     tune_malloc: raise glibc's mmap and trim thresholds once (``mallopt``) so that large
         short-lived allocations reuse heap memory instead of faulting fresh pages (it was worth
@@ -141,7 +144,7 @@ class RemoteConfig:
     ttl_s: int = 0
     batch_pages: int = 4
     threads: int = 3
-    publish_window: int = 2
+    publish_window: int = 1
     max_tickets: int = 64
     tune_malloc: bool = True
     password: str | None = field(default=None, repr=False)
