@@ -4,6 +4,7 @@ runs of consecutive slots; with one page a run, six runs are in flight at once."
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -88,3 +89,22 @@ def test_a_timed_out_read_never_writes_into_its_host_slots_later(
         for h, slot in held:
             real_drop(h, slot)
         assert read_page(pool, 11) == expected_page(pool, other)
+
+
+def test_the_gate_lets_runs_copy_at_once_and_close_waits_for_them() -> None:
+    """Two runs copy at the same time; ``close`` returns only once both left, and no run enters
+    after it."""
+    from kvstrata.tiers.disk_read import _Gate
+
+    gate = _Gate()
+    assert gate.enter() and gate.enter()  # both copying at once
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (gate.close(), closed.set()), daemon=True)
+    closer.start()
+    assert not closed.wait(0.2), "close returned while two runs were copying"
+    gate.leave()
+    assert not closed.wait(0.2), "close returned while a run was copying"
+    gate.leave()
+    assert closed.wait(10)
+    closer.join(10)
+    assert not gate.enter()

@@ -48,17 +48,35 @@ _Result = tuple[str, str] | None
 
 class _Gate:
     """One read call's say over its host slots: a run copies into them only while the call
-    still waits for it. ``close`` (the call gives up or returns) waits for a copy under way and
-    turns every later one away, so a run that outlives its timeout never writes into host slots
-    the call reported False, which the caller may already reuse."""
+    still waits for it. ``close`` (the call gives up or returns) waits for the copies under way
+    and turns every later one away, so a run that outlives its timeout never writes into host
+    slots the call reported False, which the caller may already reuse. Runs copy at once, each
+    into its own host slots (one lock around every copy held the reads to about 1.5 GB/s)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.closed = False
+        self._cond = threading.Condition()
+        self._closed = False
+        self._copying = 0
+
+    def enter(self) -> bool:
+        """Whether a run may copy now (then :meth:`leave` when done); False once closed."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._copying += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._copying -= 1
+            if self._copying == 0:
+                self._cond.notify_all()
 
     def close(self) -> None:
-        with self.lock:
-            self.closed = True
+        with self._cond:
+            self._closed = True
+            while self._copying:
+                self._cond.wait()
 
 
 class PageReader:
@@ -254,14 +272,16 @@ class PageReader:
                 results[b] = ("read_races", "the page was dropped while it was read")
             elif (why := checks[b]) is not None:
                 results[b] = ("verify_failures", why)
-        with gate.lock:
-            if gate.closed:
-                gave_up = ("read_errors", "the read gave up on it before it landed")
-                return [r if r is not None else gave_up for r in results]
+        if not gate.enter():
+            gave_up = ("read_errors", "the read gave up on it before it landed")
+            return [r if r is not None else gave_up for r in results]
+        try:
             good = [b for b in range(n) if results[b] is None]
             targets = [host_slots[b] for b in good]
             for k in range(len(self._slabs)):
                 to_host(buf, k, good, pages, targets)
+        finally:
+            gate.leave()
         return results
 
     @staticmethod
