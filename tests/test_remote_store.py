@@ -74,7 +74,7 @@ def client(url: str) -> redis.Redis:
 @pytest.mark.parametrize("window", [1, 2])
 def test_round_trip_every_payload_byte(store_url: str, window: int) -> None:
     """40 pages in 6 batches of 7 over 3 connections: 2 batches a connection, sent one at a
-    time or both at once (``publish_window``)."""
+    time or (standalone) both at once (``publish_window``; the test below shows they are)."""
     src, dst = host_pool(), host_pool()
     pages = hashes(40)
     with open_store(store_url, batch_pages=7, publish_window=window) as store:
@@ -489,6 +489,106 @@ def test_a_store_lost_mid_stream_keeps_the_batches_it_stored(
     monkeypatch.undo()
     with open_store(redis_server.url) as store:
         assert store.lookup(pages) == 1
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_a_publish_keeps_its_window_of_batches_in_flight(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, window: int
+) -> None:
+    """One connection, a batch of one page per round trip: each send is followed by the replies
+    of the batch ``window`` sends back, so ``window`` batches are in flight at once."""
+    from kvstrata.tiers.remote import wire
+
+    events: list[str] = []
+    send, read = wire._send, wire.Call.read
+
+    def logged_send(sock: Any, chunks: Any) -> None:
+        events.append("send")
+        send(sock, chunks)
+
+    def logged_read(call: Any, reader: Any) -> None:
+        read(call, reader)
+        events.append("read")
+
+    monkeypatch.setattr(wire, "_send", logged_send)
+    monkeypatch.setattr(wire.Call, "read", logged_read)
+    pool, pages = host_pool(), hashes(5)
+    with open_store(redis_server.url, batch_pages=1, threads=1, publish_window=window) as store:
+        done = publish_all(store, pool, pages, ticket=1).published[0]
+        assert done.written == tuple(pages)
+    sets = events[events.index("read") + 1 :]  # after the ticket's EXISTS round trip
+    want = ["send"] * min(window, 5)
+    for b in range(5):
+        want += ["read"] + (["send"] if b + window < 5 else [])
+    assert sets == want
+
+
+def test_a_bug_while_publishing_is_raised_not_counted_as_an_outage(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault of ours while making the values (here: the codec) reaches ``poll()`` as itself;
+    the store is not reported down and the breaker stays closed, also when that call was the
+    breaker's probe."""
+    from kvstrata.tiers.remote.values import PageCodec
+
+    made = 0
+    encode = PageCodec.encode
+
+    def broken(self: PageCodec, *args: Any) -> Any:
+        nonlocal made
+        made += 1
+        if made > 2:  # past the first batch
+            raise ValueError("a bug in the codec")
+        return encode(self, *args)
+
+    monkeypatch.setattr(PageCodec, "encode", broken)
+    pool, pages = host_pool(), hashes(3)
+    for slot, h in enumerate(pages):
+        write_page(pool, slot, h)
+    with open_store(redis_server.url, batch_pages=1, threads=1) as store:
+        store.breaker.failure()  # open; the publish below is the probe once the interval ends
+        time.sleep(BREAKER_S * 1.5)
+        assert store.publish(1, [(h, slot, 1) for slot, h in enumerate(pages)], pool)
+        store.flush(30)
+        with pytest.raises(ValueError, match="a bug in the codec"):
+            store.poll()
+        stats = store.stats()
+        assert stats.connection_errors == 0 and stats.timeouts == 0
+        assert not store.breaker.blocked(), "the probe was never given back"
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_connection_lost_mid_stream_keeps_the_acknowledged_batches(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, window: int
+) -> None:
+    """The real reader loses the connection right after the first batch's replies: that batch
+    counts as written, the rest as unavailable (the ``window`` batches sent after it reached the
+    server, which stored them: in the store, not counted), and no budget stays reserved."""
+    from kvstrata.tiers.remote import wire
+
+    replies = 0
+    reply = wire._Reader.reply
+    values = len(NS.payloads)
+
+    def cut(self: Any, into: Any) -> Any:
+        nonlocal replies
+        replies += 1
+        if replies > 6 * values:  # the EXISTS pipeline's (a key each), then batch 0's values
+            raise redis.exceptions.ConnectionError("connection lost")
+        return reply(self, into)
+
+    monkeypatch.setattr(wire._Reader, "reply", cut)
+    pool, pages = host_pool(), hashes(5)
+    with open_store(redis_server.url, batch_pages=1, threads=1, publish_window=window) as store:
+        done = publish_all(store, pool, pages, ticket=1).published[0]
+        assert done.written == tuple(pages[:1]) and done.failed == tuple(pages[1:])
+        stats = store.stats()
+        assert stats.pages_written == 1 and stats.skipped_unavailable == 4
+        assert stats.used_bytes == PAGE_BYTES and stats.connection_errors == 1
+        store.check()
+    monkeypatch.undo()
+    with open_store(redis_server.url) as store:
+        assert store.lookup(pages) == 1 + window
 
 
 def test_a_publish_asks_which_pages_exist_once_per_ticket(

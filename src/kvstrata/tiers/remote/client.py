@@ -121,6 +121,12 @@ class Breaker:
         with self._lock:
             self._open_until, self._probing = None, False
 
+    def abandon(self) -> None:
+        """A call that got through ended for a reason of its own (not the store's): a probe it
+        held is given back, so that the next call probes instead."""
+        with self._lock:
+            self._probing = False
+
     def failure(self) -> bool:
         """Open (again) for an interval; True when this call opened it."""
         with self._lock:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -125,15 +125,19 @@ class RemoteStore:
                 )
             return self._client
 
-    def _call(self, fn: Callable[[RedisClient], T]) -> T:
-        """One round trip through the breaker; raises :class:`StoreUnavailable` (counted)."""
+    def _call(self, fn: Callable[[RedisClient], T], round_trips: int = 1) -> T:
+        """``round_trips`` round trips through the breaker; raises :class:`StoreUnavailable`
+        (counted; a refusal by the open breaker counts each round trip skipped)."""
         if not self.breaker.allow():
-            self.counters.add(breaker_skips=1)
+            self.counters.add(breaker_skips=round_trips)
             raise StoreUnavailable("the breaker is open", timeout=False)
         try:
             out = fn(self._connect())
         except StoreUnavailable as err:
             self._failed(err)
+            raise
+        except BaseException:  # a bug of ours, not the store's: it neither opens nor closes
+            self.breaker.abandon()
             raise
         self.breaker.success()
         return out
@@ -270,25 +274,31 @@ class RemoteStore:
         """SET NX of each batch's values (their budget reserved by :meth:`_publish_job`) on one
         connection, ``config.publish_window`` batches in flight: the next batch's values (their
         CRC-32C) are made while the server stores the ones before. Every batch is settled once,
-        sent or not."""
+        sent or not; a stream stops sending once another stream opened the breaker (the batches
+        left count as skipped by it). A batch the server stored but whose replies were lost
+        with the connection is not in ``used_bytes`` until the next recount."""
         settled = [False] * len(batches)
 
-        def items(batch: list[tuple[bytes, int]]) -> list[tuple[bytes, PageValue]]:
-            return [
-                (key, self._codec.encode(k, h, job.host_pool, slot))
-                for h, slot in batch
-                for k, key in zip(self._kinds, self._keys(h), strict=True)
-            ]
+        def stream() -> Iterator[list[tuple[bytes, PageValue]]]:
+            for b, batch in enumerate(batches):
+                if b and self.breaker.is_open:  # another round trip found the store down
+                    self.counters.add(breaker_skips=len(batches) - b)
+                    return
+                yield [
+                    (key, self._codec.encode(k, h, job.host_pool, slot))
+                    for h, slot in batch
+                    for k, key in zip(self._kinds, self._keys(h), strict=True)
+                ]
 
         def done(b: int, stored: list[bool | CommandError]) -> None:
             settled[b] = True
             self._settle_batch(job, batches[b], stored)
 
+        window = self.config.publish_window
         try:
             self._call(
-                lambda c: c.set_new_stream(
-                    map(items, batches), self.config.ttl_s, done, self.config.publish_window
-                )
+                lambda c: c.set_new_stream(stream(), self.config.ttl_s, done, window),
+                round_trips=len(batches),
             )
         except StoreUnavailable:
             pass

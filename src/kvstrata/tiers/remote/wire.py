@@ -22,9 +22,10 @@ one next time.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,9 +167,33 @@ class Call:
 
     def read(self, reader: _Reader) -> None:
         for j, dst in enumerate(self.into):
-            self.each(j, reader.reply(dst))
+            reply = reader.reply(dst)
+            with _theirs():
+                self.each(j, reply)
         if self.done is not None:
-            self.done()
+            with _theirs():
+                self.done()
+
+
+class _Raised(Exception):
+    """What the caller's own code raised inside an exchange (built a call, took a reply),
+    carried past the handlers that turn socket and parsing faults into connection errors."""
+
+    def __init__(self, err: BaseException) -> None:
+        super().__init__(str(err))
+        self.err = err
+
+
+@contextlib.contextmanager
+def _theirs() -> Iterator[None]:
+    """Around the caller's code: redis-py's errors (a node down, said by a reply) pass as they
+    are; anything else is the caller's and is raised to it unchanged (:class:`_Raised`)."""
+    try:
+        yield
+    except (redis.exceptions.RedisError, _Raised):
+        raise
+    except Exception as err:
+        raise _Raised(err) from err
 
 
 def _advance(views: list[memoryview], i: int, n: int) -> int:
@@ -227,7 +252,12 @@ class WireConnection(Connection):
         try:
             reader = _Reader(sock, self._read_buf)
             sent: collections.deque[Call] = collections.deque()
-            for call in calls:
+            drawn = iter(calls)
+            while True:
+                with _theirs():
+                    call = next(drawn, None)
+                if call is None:
+                    break
                 _send(sock, call.chunks)
                 sent.append(call)
                 if len(sent) >= window:
@@ -236,6 +266,9 @@ class WireConnection(Connection):
                 sent.popleft().read(reader)
             if reader.pending:
                 raise ProtocolError(f"{reader.pending} bytes past the last reply")
+        except _Raised as raised:  # the caller's own code failed: its error, as it was
+            self.disconnect()
+            raise raised.err from None
         except TimeoutError:  # socket.timeout
             self.disconnect()
             raise redis.exceptions.TimeoutError("timeout on the shared tier's socket") from None
