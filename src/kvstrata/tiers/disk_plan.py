@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .disk_events import Counters, RateLimitedLog
-from .disk_slots import SlotPool
+from .disk_slots import ALLOCATED, LIVE, WRITING, SlotPool
 from .host_pool import HostPool
 
 
@@ -78,29 +78,27 @@ class SpillPlanner:
     def plan(self, job: SpillJob) -> None:
         """Decide the fate of every page of ``job`` (module docstring); fills its plan, its
         durable pages (those on disk already) and failed ones (no slot even after GC)."""
-        pool = self.pool
         present = full = written = 0
         batch: list[tuple[bytes, int, int]] = []
-        for h, host_slot in job.pages:
-            if (found := pool.touch(h)) is not None:  # on disk already: counts as an access
-                self.dirty[h] = found[0]
-                present += 1
-                if pool.writing_slot(h) is None:
-                    job.durable.append(h)
-                    continue
-                batch.append((h, host_slot, -1))  # in flight: as durable as that write
-            else:
-                self._collect(job)
-                slot = pool.alloc(h)
-                if slot is None:
-                    full += 1
-                    job.failed.append(h)
-                    continue
+        fates = self.pool.touch_or_alloc(
+            [h for h, _ in job.pages], self.high_slots, lambda: self._collect(job), self.dirty
+        )
+        for (h, host_slot), (fate, slot) in zip(job.pages, fates, strict=True):
+            if fate == ALLOCATED:
                 batch.append((h, host_slot, slot))
                 written += 1
                 if written % self.batch_pages == 0:
                     job.batches.append(batch)
                     batch = []
+            elif fate == LIVE:  # on disk already: counted as an access
+                present += 1
+                job.durable.append(h)
+            elif fate == WRITING:  # in flight: as durable as that write
+                present += 1
+                batch.append((h, host_slot, -1))
+            else:
+                full += 1
+                job.failed.append(h)
         if batch:
             job.batches.append(batch)
         job.pending = sum(len(b) for b in job.batches)
@@ -115,12 +113,11 @@ class SpillPlanner:
         used = pool.num_used
         if used + 1 <= self.high_slots:
             return
-        for h, slot in pool.coldest(used - self.low_slots):
-            last = pool.last_access(h)
-            pool.remove(h)
+        victims = pool.remove_coldest(used - self.low_slots)
+        for h, slot, _ in victims:
             self.dirty.pop(h, None)
             self.pending[h] = slot
-            job.victims.append((h, slot, last))
+        job.victims += victims
         pool.sort_free()
 
     def would_collect(self, new_pages: int) -> bool:

@@ -15,10 +15,14 @@ being written is never a victim. Callers hold the store's state lock.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ..errors import PoolInvariantError
+
+#: What :meth:`SlotPool.touch_or_alloc` did with a page.
+LIVE, WRITING, ALLOCATED, FULL = range(4)
 
 
 class _Entry:
@@ -161,6 +165,55 @@ class SlotPool:
                 add((h, found.slot))
         self.clock = clock
         return out
+
+    def touch_or_alloc(
+        self,
+        page_hashes: Sequence[bytes],
+        high_slots: int,
+        collect: Callable[[], None],
+        touched: dict[bytes, int],
+    ) -> list[tuple[int, int]]:
+        """A spill's pages, in order: a page held (live or being written) is touched as by
+        :meth:`touch` (its slot recorded in ``touched``); any other gets a free slot as by
+        :meth:`alloc`, after ``collect()`` (GC) whenever one more used slot would pass
+        ``high_slots``. Returns ``(LIVE | WRITING | ALLOCATED, slot)`` per page, ``(FULL, -1)``
+        where no slot was free. One loop for a whole spill: a call per page was a fifth of the
+        engine thread's time in a replay that spills every page."""
+        pages, free = self._pages, self._free
+        get, to_end = pages.get, pages.move_to_end
+        out: list[tuple[int, int]] = []
+        add = out.append
+        for h in page_hashes:
+            found = get(h)
+            if found is not None:
+                self.clock += 1
+                found.last_access = self.clock
+                to_end(h)
+                touched[h] = found.slot
+                add((LIVE if found.live else WRITING, found.slot))
+                continue
+            if self.num_slots - len(free) + 1 > high_slots:
+                collect()  # frees slots into the same free list
+            if not free:
+                add((FULL, -1))
+                continue
+            slot = free.pop()
+            self.clock += 1
+            pages[h] = _Entry(slot, self.clock, False)
+            self._num_writing += 1
+            add((ALLOCATED, slot))
+        return out
+
+    def remove_coldest(self, n: int) -> list[tuple[bytes, int, int]]:
+        """Free the ``n`` least recently used live pages (:meth:`remove` each), coldest first;
+        returns their ``(page hash, slot, last_access)``."""
+        live = ((h, e.slot, e.last_access) for h, e in self._pages.items() if e.live)
+        victims = list(itertools.islice(live, n))
+        pop, free = self._pages.pop, self._free.append
+        for h, slot, _ in victims:
+            pop(h)
+            free(slot)
+        return victims
 
     def remove(self, page_hash: bytes) -> int:
         """The page's index entries are (being) deleted: free its slot (returned)."""
