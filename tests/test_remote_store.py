@@ -466,31 +466,6 @@ def test_a_write_lost_after_the_budget_check_is_counted_once(
 # -- round trips per ticket and a cluster's slot map -------------------------------------------
 
 
-def test_a_store_lost_mid_stream_keeps_the_batches_it_stored(
-    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The connection fails after the first of a stream's batches was stored: that batch counts
-    as written (and is in the store), the rest as unavailable, and the budget is given back."""
-    from kvstrata.tiers.remote.client import RedisClient, StoreUnavailable
-
-    def first_only(self: RedisClient, batches: Any, ttl_s: int, done: Any, window: int) -> None:
-        done(0, self.set_new(next(iter(batches)), ttl_s))
-        raise StoreUnavailable("connection lost", timeout=False)
-
-    monkeypatch.setattr(RedisClient, "set_new_stream", first_only)
-    pool, pages = host_pool(), hashes(5)
-    with open_store(redis_server.url, batch_pages=1, threads=1) as store:
-        done = publish_all(store, pool, pages, ticket=1).published[0]
-        assert done.written == tuple(pages[:1]) and done.failed == tuple(pages[1:])
-        stats = store.stats()
-        assert stats.pages_written == 1 and stats.skipped_unavailable == 4
-        assert stats.used_bytes == PAGE_BYTES and stats.connection_errors == 1
-        store.check()
-    monkeypatch.undo()
-    with open_store(redis_server.url) as store:
-        assert store.lookup(pages) == 1
-
-
 @pytest.mark.parametrize("window", [1, 2, 3])
 def test_a_publish_keeps_its_window_of_batches_in_flight(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, window: int
