@@ -15,7 +15,6 @@ being written is never a victim. Callers hold the store's state lock.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
@@ -179,13 +178,13 @@ class SlotPool:
         ``high_slots``. Returns ``(LIVE | WRITING | ALLOCATED, slot)`` per page, ``(FULL, -1)``
         where no slot was free. One loop for a whole spill: a call per page was a fifth of the
         engine thread's time in a replay that spills every page."""
-        pages, free = self._pages, self._free
+        pages, free, alloc = self._pages, self._free, self.alloc
         get, to_end = pages.get, pages.move_to_end
         out: list[tuple[int, int]] = []
         add = out.append
         for h in page_hashes:
             found = get(h)
-            if found is not None:
+            if found is not None:  # touch_many's step, inline: a call per page is what it saves
                 self.clock += 1
                 found.last_access = self.clock
                 to_end(h)
@@ -194,25 +193,16 @@ class SlotPool:
                 continue
             if self.num_slots - len(free) + 1 > high_slots:
                 collect()  # frees slots into the same free list
-            if not free:
-                add((FULL, -1))
-                continue
-            slot = free.pop()
-            self.clock += 1
-            pages[h] = _Entry(slot, self.clock, False)
-            self._num_writing += 1
-            add((ALLOCATED, slot))
+            slot = alloc(h)
+            add((FULL, -1) if slot is None else (ALLOCATED, slot))
         return out
 
     def remove_coldest(self, n: int) -> list[tuple[bytes, int, int]]:
         """Free the ``n`` least recently used live pages (:meth:`remove` each), coldest first;
         returns their ``(page hash, slot, last_access)``."""
-        live = ((h, e.slot, e.last_access) for h, e in self._pages.items() if e.live)
-        victims = list(itertools.islice(live, n))
-        pop, free = self._pages.pop, self._free.append
-        for h, slot, _ in victims:
-            pop(h)
-            free(slot)
+        victims = [(h, slot, self._pages[h].last_access) for h, slot in self.coldest(n)]
+        for h, _, _ in victims:
+            self.remove(h)
         return victims
 
     def remove(self, page_hash: bytes) -> int:
