@@ -25,6 +25,8 @@ from disk_rig import (
     read_page,
     spill_all,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_disk_cp import TIMEOUT_S, _run
 from test_disk_cp import _exact as exact_cp
 from test_disk_determinism import _slow_disk
@@ -85,8 +87,8 @@ def test_ranks_map_to_directories_rank_mod_n_or_stripe_over_several() -> None:
 
 def test_stripe_runs_give_every_drive_a_run_at_once() -> None:
     # One stripe: runs of consecutive slots, in page order (what a single directory did).
-    assert stripe_runs([4, 5, 6, 9, 10], 1, 8) == [[0, 1, 2], [3, 4]]
-    assert stripe_runs([0, 1, 2, 3], 1, 3) == [[0, 1, 2], [3]]
+    assert [list(r) for r in stripe_runs([4, 5, 6, 9, 10], 1, 8)] == [[0, 1, 2], [3, 4]]
+    assert [list(r) for r in stripe_runs([0, 1, 2, 3], 1, 3)] == [[0, 1, 2], [3]]
     # Two stripes: slots 10.. alternate drives; each drive's pages are one run, both first.
     assert stripe_runs([10, 11, 12, 13, 14, 15], 2, 8) == [[0, 2, 4], [1, 3, 5]]
     # Capped runs interleave: the first run of each drive before the second of either.
@@ -363,3 +365,16 @@ def test_cp2_over_four_directories_each_rank_striped_over_two(tmp_path: Path) ->
     assert ranks[0]["cached"][1000] == ranks[0]["l3_hits"] > 0
     assert all(r["reloaded"] > 0 for r in ranks)
     exact_cp(ranks[0], again)
+
+
+@settings(max_examples=200, deadline=None)
+@given(slots=st.lists(st.integers(0, 30), unique=True, max_size=40), max_pages=st.integers(1, 6))
+def test_one_stripe_runs_are_the_consecutive_slots(slots: list[int], max_pages: int) -> None:
+    """The array pass of one stripe against the page-by-page grouping it replaced."""
+    expected: list[list[int]] = []
+    for i, slot in enumerate(slots):
+        if expected and slot == slots[expected[-1][-1]] + 1 and len(expected[-1]) < max_pages:
+            expected[-1].append(i)
+        else:
+            expected.append([i])
+    assert [list(r) for r in stripe_runs(slots, 1, max_pages)] == expected

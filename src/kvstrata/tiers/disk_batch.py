@@ -53,6 +53,13 @@ SMALL_PAYLOAD = 16 << 10
 Blocks = Sequence[int] | npt.NDArray[np.int64]
 
 
+def _index(blocks: Blocks) -> npt.NDArray[np.int64]:
+    """``blocks`` as an index array (a range without a Python step per block)."""
+    if isinstance(blocks, range):
+        return np.arange(blocks.start, blocks.stop, blocks.step, dtype=np.int64)
+    return np.asarray(blocks, dtype=np.int64)
+
+
 def _hashes(page_hashes: Sequence[bytes]) -> npt.NDArray[np.void]:
     return np.frombuffer(b"".join(page_hashes), dtype="V32")
 
@@ -66,7 +73,8 @@ def check_slots(
     if n == 0:
         return []
     # the headers only (one indexed copy of 64 bytes a slot, never the payloads)
-    raw = staging.rows(kind)[np.asarray(blocks, dtype=np.int64), :SLOT_HEADER_BYTES]
+    idx = _index(blocks)
+    raw = staging.rows(kind)[idx, :SLOT_HEADER_BYTES]
     heads = np.ascontiguousarray(raw).view(HEAD_DTYPE)[:, 0]
     ok = (
         (heads["magic"] == PAGE_MAGIC)
@@ -76,7 +84,7 @@ def check_slots(
         & (heads["hash"] == _hashes(page_hashes))
     )
     view = staging.view
-    starts = [staging.slot_start(int(b), kind) for b in blocks]
+    starts = (idx * staging.block_bytes + staging.offsets[kind]).tolist()
     head_crc = np.fromiter(
         (crc32c(view[s : s + _SLOT_HEAD.size]) for s in starts), dtype=np.uint32, count=n
     )
@@ -105,7 +113,8 @@ def write_headers(
     if n == 0:
         return
     view = staging.view
-    starts = [staging.slot_start(int(b), kind) for b in blocks]
+    idx = _index(blocks)
+    starts = (idx * staging.block_bytes + staging.offsets[kind]).tolist()
     body = SLOT_HEADER_BYTES
     heads = np.zeros(n, dtype=HEAD_DTYPE)
     heads["magic"] = PAGE_MAGIC
@@ -122,7 +131,7 @@ def write_headers(
     heads["head_crc"] = np.fromiter(
         (crc32c(head[i * body : i * body + size]) for i in range(n)), np.uint32, count=n
     )
-    staging.rows(kind)[np.asarray(blocks, dtype=np.int64), :SLOT_HEADER_BYTES] = raw
+    staging.rows(kind)[idx, :SLOT_HEADER_BYTES] = raw
 
 
 def to_host(
@@ -136,7 +145,7 @@ def to_host(
         return
     # the payloads only (a small page's slot is mostly padding: 4 KiB for a 64-byte page)
     payload = slice(SLOT_HEADER_BYTES, SLOT_HEADER_BYTES + pages.payload_bytes(kind))
-    src = staging.rows(kind)[np.asarray(blocks, dtype=np.int64), payload]
+    src = staging.rows(kind)[_index(blocks), payload]
     for sel, host, extents in pages.rows(kind, host_slots):
         at = 0
         for dst, nbytes in extents:
@@ -153,7 +162,7 @@ def from_host(
             staging.gather(int(b), kind, pages.extents(kind, slot))
         return
     rows = staging.rows(kind)
-    idx = np.asarray(blocks, dtype=np.int64)
+    idx = _index(blocks)
     for sel, host, extents in pages.rows(kind, host_slots):
         at = SLOT_HEADER_BYTES
         dst_blocks = idx if sel is None else idx[sel]

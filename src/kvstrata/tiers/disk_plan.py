@@ -23,7 +23,7 @@ slot from being rewritten while an index entry names it. Until the deletion comm
 are still in the index; ``pending`` lists them so that lookups already miss them.
 
 An access moves a page in the in-memory LRU at once; its ``last_access`` in the index is brought
-up to date only when the store closes (``dirty``): a lost touch only changes the order GC takes
+up to date only when the store closes (``SlotPool.touched``): a lost touch only changes the order GC takes
 pages in after a crash, never what a read returns, and keeps accesses from rewriting the index.
 """
 
@@ -72,8 +72,6 @@ class SpillPlanner:
         self.batch_pages, self.counters, self.warn = batch_pages, counters, warn
         #: victims whose index entries are not deleted yet: page hash -> its old slot
         self.pending: dict[bytes, int] = {}
-        #: pages accessed since their index entry was written (or planned): page hash -> slot
-        self.dirty: dict[bytes, int] = {}
 
     def plan(self, job: SpillJob) -> None:
         """Decide the fate of every page of ``job`` (module docstring); fills its plan, its
@@ -81,7 +79,7 @@ class SpillPlanner:
         present = full = written = 0
         batch: list[tuple[bytes, int, int]] = []
         fates = self.pool.touch_or_alloc(
-            [h for h, _ in job.pages], self.high_slots, lambda: self._collect(job), self.dirty
+            [h for h, _ in job.pages], self.high_slots, lambda: self._collect(job)
         )
         for (h, host_slot), (fate, slot) in zip(job.pages, fates, strict=True):
             if fate == ALLOCATED:
@@ -115,7 +113,6 @@ class SpillPlanner:
             return
         victims = pool.remove_coldest(used - self.low_slots)
         for h, slot, _ in victims:
-            self.dirty.pop(h, None)
             self.pending[h] = slot
         job.victims += victims
         pool.sort_free()
@@ -127,7 +124,7 @@ class SpillPlanner:
     def touch(self, page_hashes: Iterable[bytes]) -> None:
         """Accesses: pages among ``page_hashes`` that are on disk or being written become the
         most recently used."""
-        self.dirty.update(self.pool.touch_many(page_hashes))
+        self.pool.touch_many(page_hashes)
 
     def present(self, page_hash: bytes) -> bool:
         """Whether a page the index holds is still there as far as the plans go (GC may have
@@ -154,10 +151,4 @@ class SpillPlanner:
     def touched(self) -> list[tuple[bytes, int, int]]:
         """``(page hash, slot, last_access)`` of live pages whose index entry is older than the
         pool's, and forget them (the caller writes them)."""
-        out = [
-            (h, slot, self.pool.last_access(h))
-            for h, slot in self.dirty.items()
-            if self.pool.slot_of(h) == slot
-        ]
-        self.dirty.clear()
-        return out
+        return self.pool.touched()

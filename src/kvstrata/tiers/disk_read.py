@@ -29,6 +29,7 @@ import concurrent.futures
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import lmdb
 
@@ -44,6 +45,14 @@ from .page_hash import Namespace
 RUN_BYTES = 4 << 20
 #: What became of one page of a run: None when it is in its host slot, else (counter, why).
 _Result = tuple[str, str] | None
+_T = TypeVar("_T")
+
+
+def _take(items: Sequence[_T], run: Sequence[int]) -> list[_T]:
+    """``items`` at the positions ``run`` (a slice when the run is a range)."""
+    if isinstance(run, range) and run.step == 1:
+        return list(items[run.start : run.stop])
+    return [items[i] for i in run]
 
 
 class _Gate:
@@ -173,7 +182,7 @@ class PageReader:
         pages = host_pages(host_pool)
         # (the run's pages, its buffer, its read): after a failure the runs in flight are not
         # the last pages read.
-        pending: deque[tuple[list[int], Staging, concurrent.futures.Future[list[_Result]]]] = (
+        pending: deque[tuple[Sequence[int], Staging, concurrent.futures.Future[list[_Result]]]] = (
             deque()
         )
 
@@ -181,22 +190,18 @@ class PageReader:
 
         def submit(r: int, buf: Staging) -> None:
             run = runs[r]
-            args = (
-                [hashes[i] for i in run],
-                [slots[i] for i in run],
-                buf,
-                pages,
-                [host_slots[i] for i in run],
-                gate,
-            )
+            args = (_take(hashes, run), _take(slots, run), buf, pages, _take(host_slots, run), gate)
             pending.append((run, buf, self._io.submit(self._load_run, *args)))
 
         for r, buf in enumerate(self._read_bufs[: len(runs)]):  # `depth` runs in flight
             submit(r, buf)
         next_run = len(pending)
 
-        def collect(run: list[int], results: list[_Result]) -> bool:
+        def collect(run: Sequence[int], results: list[_Result]) -> bool:
             """Mark a run's pages; False when one failed."""
+            if isinstance(run, range) and not any(results):  # the usual case: all read
+                ok[run.start : run.stop] = [True] * len(run)
+                return True
             whole = True
             for i, failed in zip(run, results, strict=True):
                 ok[i] = failed is None
@@ -255,6 +260,8 @@ class PageReader:
         for k, slab in enumerate(self._slabs):
             self._read_views(slab, slots, buf.slot_views(k)[:n], results)
             verdicts = check_slots(buf, k, blocks, hashes, self._payload_len[k])
+            if not any(verdicts):
+                continue
             for b, why in enumerate(verdicts):
                 if why is not None and results[b] is None and checks[b] is None:
                     checks[b] = f"payload {self.namespace.payloads[k].name}: {why}"
@@ -263,7 +270,26 @@ class PageReader:
         # also have reused the slot of a page that does not check out: that is a race, not
         # corruption, and the index says which (the entry goes before the slot).
         still = self._still_name(hashes, slots)
-        for b in range(n):
+        if still is not None and all(still) and not any(checks) and not any(results):
+            good: Sequence[int] = range(n)  # the usual case: every slot read, checked, held
+        else:
+            self._judge(results, checks, still)
+            good = [b for b in range(n) if results[b] is None]
+        if not gate.enter():
+            gave_up = ("read_errors", "the read gave up on it before it landed")
+            return [r if r is not None else gave_up for r in results]
+        try:
+            targets = _take(host_slots, good)
+            for k in range(len(self._slabs)):
+                to_host(buf, k, good, pages, targets)
+        finally:
+            gate.leave()
+        return results
+
+    @staticmethod
+    def _judge(results: list[_Result], checks: list[str | None], still: list[bool] | None) -> None:
+        """Each slot that was read: why it is not its page's (``results``), if it is not."""
+        for b in range(len(results)):
             if results[b] is not None:
                 continue
             if still is None:
@@ -272,17 +298,6 @@ class PageReader:
                 results[b] = ("read_races", "the page was dropped while it was read")
             elif (why := checks[b]) is not None:
                 results[b] = ("verify_failures", why)
-        if not gate.enter():
-            gave_up = ("read_errors", "the read gave up on it before it landed")
-            return [r if r is not None else gave_up for r in results]
-        try:
-            good = [b for b in range(n) if results[b] is None]
-            targets = [host_slots[b] for b in good]
-            for k in range(len(self._slabs)):
-                to_host(buf, k, good, pages, targets)
-        finally:
-            gate.leave()
-        return results
 
     @staticmethod
     def _read_views(

@@ -9,30 +9,28 @@ A page's payloads share one slot number (slot ``s`` of every payload's slab), so
 unit of allocation and of GC. ``last_access`` is a logical clock bumped on every alloc and touch
 (never wall-clock time), so a page takes its place in the LRU order when its spill is *planned*,
 not when its write happens to land: the order, and so what GC picks, is a function of the calls
-made, however fast the disk is. GC takes live pages from the least recently used; a page still
-being written is never a victim. Callers hold the store's state lock.
+made, however fast the disk is. GC takes live pages from the least recently used (ties, which
+only a ``take_back`` can make, by slot); a page still being written is never a victim. Callers
+hold the store's state lock.
+
+The LRU order is kept as arrays indexed by slot (``last_access`` and whether it was touched
+since its index entry was written), not as a linked order of page objects: a reload touches
+thousands of pages, which is then one dict lookup a page and one array assignment, and GC finds
+its victims with one partial sort of the clocks when it runs.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
 
 from ..errors import PoolInvariantError
 
 #: What :meth:`SlotPool.touch_or_alloc` did with a page.
 LIVE, WRITING, ALLOCATED, FULL = range(4)
-
-
-class _Entry:
-    """A used slot's page: changed in place by touch and publish (no new object per access)."""
-
-    __slots__ = ("slot", "last_access", "live")
-
-    def __init__(self, slot: int, last_access: int, live: bool) -> None:
-        self.slot = slot
-        self.last_access = last_access
-        self.live = live  # False while its write is in flight
+#: ``last_access`` of a slot no page holds (after every real clock value).
+_UNUSED = np.iinfo(np.int64).max
 
 
 class SlotPool:
@@ -42,8 +40,12 @@ class SlotPool:
         assert num_slots >= 1
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
-        self._pages: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
-        self._num_writing = 0
+        self._slot: dict[bytes, int] = {}  # the slot of every page written or being written
+        self._writing: set[bytes] = set()  # pages whose write is in flight
+        self._page: list[bytes | None] = [None] * num_slots  # slot -> its page
+        self._last = np.full(num_slots, _UNUSED, dtype=np.int64)  # slot -> its last_access
+        #: slots whose page was accessed since its index entry was written (``touched``)
+        self._dirty = np.zeros(num_slots, dtype=bool)
         #: Slots neither free nor a page's: index entries of a page that lives elsewhere still
         #: name them and could not be deleted (a fault); never handed out until they are.
         self.withheld: set[int] = set()
@@ -57,11 +59,11 @@ class SlotPool:
 
     @property
     def num_live(self) -> int:
-        return len(self._pages) - self._num_writing
+        return len(self._slot) - len(self._writing)
 
     @property
     def num_writing(self) -> int:
-        return self._num_writing
+        return len(self._writing)
 
     @property
     def num_used(self) -> int:
@@ -70,147 +72,194 @@ class SlotPool:
 
     def slot_of(self, page_hash: bytes) -> int | None:
         """The slot of a live page (None when absent or still being written)."""
-        found = self._pages.get(page_hash)
-        return found.slot if found is not None and found.live else None
+        return None if page_hash in self._writing else self._slot.get(page_hash)
 
     def writing_slot(self, page_hash: bytes) -> int | None:
         """The slot a page is being written to (None when it is not)."""
-        found = self._pages.get(page_hash)
-        return found.slot if found is not None and not found.live else None
+        return self._slot[page_hash] if page_hash in self._writing else None
 
     def slots_of(self, page_hashes: Sequence[bytes]) -> list[int | None]:
         """:meth:`slot_of` of each of ``page_hashes``."""
-        get = self._pages.get
-        return [e.slot if (e := get(h)) is not None and e.live else None for h in page_hashes]
+        get, writing = self._slot.get, self._writing
+        if not writing:
+            return list(map(get, page_hashes))
+        return [None if h in writing else get(h) for h in page_hashes]
 
     def any_writing(self, page_hashes: Sequence[bytes]) -> bool:
         """Whether any of ``page_hashes`` is being written."""
-        get = self._pages.get
-        return any((e := get(h)) is not None and not e.live for h in page_hashes)
+        writing = self._writing
+        return bool(writing) and not writing.isdisjoint(page_hashes)
 
     def leading(self, page_hashes: Sequence[bytes]) -> int:
         """How many of ``page_hashes``, from the first, are live or being written."""
-        pages = self._pages
-        for i, h in enumerate(page_hashes):
-            if h not in pages:
-                return i
-        return len(page_hashes)
+        held = list(map(self._slot.__contains__, page_hashes))  # no Python step a page
+        try:
+            return held.index(False)
+        except ValueError:
+            return len(held)
 
     def last_access(self, page_hash: bytes) -> int:
-        return self._pages[page_hash].last_access
+        return int(self._last[self._slot[page_hash]])
+
+    def last_accesses(self, page_hashes: Sequence[bytes]) -> list[int]:
+        """:meth:`last_access` of each of ``page_hashes`` (every one held)."""
+        slots = list(map(self._slot.__getitem__, page_hashes))
+        return self._last[slots].tolist()
+
+    def _order(self, slots: np.ndarray) -> np.ndarray:
+        """``slots`` least recently used first (ties by slot)."""
+        return slots[np.lexsort((slots, self._last[slots]))]
+
+    def _is_live(self, slot: int) -> bool:
+        page = self._page[slot]
+        return page is not None and page not in self._writing
 
     def live(self) -> list[tuple[bytes, int, int]]:
         """``(page hash, slot, last_access)`` of every live page, least recently used first."""
-        return [(h, e.slot, e.last_access) for h, e in self._pages.items() if e.live]
+        used = self._order(np.flatnonzero(self._last != _UNUSED)).tolist()
+        page, last = self._page, self._last
+        return [(page[s], s, int(last[s])) for s in used if self._is_live(s)]
 
     def coldest(self, n: int) -> list[tuple[bytes, int]]:
         """The ``n`` least recently used live pages ``(hash, slot)``, coldest first."""
+        n = min(n, self.num_live)
+        if n <= 0:
+            return []
+        # the n + (pages being written) smallest clocks hold the n coldest live pages
+        k = min(n + len(self._writing), self.num_used)
+        last = self._last
+        cand = np.argpartition(last, k - 1)[:k] if k < self.num_slots else np.arange(k)
         out: list[tuple[bytes, int]] = []
-        for h, e in self._pages.items():
-            if len(out) >= n:
-                break
-            if e.live:
-                out.append((h, e.slot))
+        for s in self._order(cand).tolist():
+            if self._is_live(s):
+                out.append((self._page[s], s))
+                if len(out) == n:
+                    break
         return out
+
+    def dirty_pages(self) -> dict[bytes, int]:
+        """``page hash -> slot`` of the pages touched since their index entry was written."""
+        page = self._page
+        return {page[s]: s for s in np.flatnonzero(self._dirty).tolist()}  # type: ignore[misc]
 
     # -- transitions -----------------------------------------------------------------------------
 
     def alloc(self, page_hash: bytes) -> int | None:
         """A free slot to write ``page_hash`` into (the newest in LRU order), or None when every
         slot is used."""
-        assert page_hash not in self._pages, "a page is allocated twice"
+        assert page_hash not in self._slot, "a page is allocated twice"
         if not self._free:
             return None
         slot = self._free.pop()
         self.clock += 1
-        self._pages[page_hash] = _Entry(slot, self.clock, False)
-        self._num_writing += 1
+        self._hold(page_hash, slot, self.clock)
+        self._writing.add(page_hash)
+        return slot
+
+    def _hold(self, page_hash: bytes, slot: int, last_access: int) -> None:
+        self._slot[page_hash] = slot
+        self._page[slot] = page_hash
+        self._last[slot] = last_access
+        self._dirty[slot] = False
+
+    def _let_go(self, page_hash: bytes) -> int:
+        slot = self._slot.pop(page_hash)
+        self._page[slot] = None
+        self._last[slot] = _UNUSED
+        self._dirty[slot] = False
+        self._free.append(slot)
         return slot
 
     def release(self, page_hash: bytes) -> int:
         """A page whose write failed: its slot goes back to the free list (returned)."""
-        entry = self._pages.pop(page_hash)
-        assert not entry.live, "release a page being written only"
-        self._num_writing -= 1
-        self._free.append(entry.slot)
-        return entry.slot
+        assert page_hash in self._writing, "release a page being written only"
+        self._writing.discard(page_hash)
+        return self._let_go(page_hash)
 
     def publish(self, page_hash: bytes) -> int:
         """The page's index entries are committed: its slot is live. Returns its last_access."""
-        entry = self._pages[page_hash]
-        assert not entry.live, "a page is published twice"
-        entry.live = True
-        self._num_writing -= 1
-        return entry.last_access
+        assert page_hash in self._writing, "a page is published twice"
+        self._writing.discard(page_hash)
+        return self.last_access(page_hash)
+
+    def publish_many(self, page_hashes: Sequence[bytes]) -> None:
+        """:meth:`publish` of each of ``page_hashes``."""
+        if not self._writing.issuperset(page_hashes):
+            raise AssertionError("a page is published twice")
+        self._writing.difference_update(page_hashes)
 
     def touch(self, page_hash: bytes) -> tuple[int, int] | None:
         """Mark a page most recently used, live or being written (where it stands must not
         depend on how far its write got); returns ``(slot, last_access)``, None if absent."""
-        touched = self.touch_many((page_hash,))
-        return (touched[0][1], self.clock) if touched else None
+        self.touch_many((page_hash,))
+        slot = self._slot.get(page_hash)
+        return None if slot is None else (slot, self.clock)
 
-    def touch_many(self, page_hashes: Iterable[bytes]) -> list[tuple[bytes, int]]:
-        """:meth:`touch` of each of ``page_hashes`` in order; ``(hash, slot)`` of those found."""
-        pages = self._pages
-        out: list[tuple[bytes, int]] = []
-        get, to_end, add = pages.get, pages.move_to_end, out.append
-        clock = self.clock
+    def touch_many(self, page_hashes: Iterable[bytes]) -> None:
+        """:meth:`touch` of each of ``page_hashes`` in order (a page given twice takes the later
+        place)."""
+        get = self._slot.get
+        found = [s for s in map(get, page_hashes) if s is not None]
+        if found:
+            self._stamp({s: i for i, s in enumerate(found, self.clock + 1)})
+            self.clock += len(found)
+
+    def _stamp(self, clocks: dict[int, int]) -> None:
+        """Set ``last_access`` of slots (``slot -> clock``) and mark them touched."""
+        slots = np.fromiter(clocks, dtype=np.int64, count=len(clocks))
+        self._last[slots] = np.fromiter(clocks.values(), dtype=np.int64, count=len(clocks))
+        self._dirty[slots] = True
+
+    def touch_or_alloc(
+        self, page_hashes: Sequence[bytes], high_slots: int, collect: Callable[[], None]
+    ) -> list[tuple[int, int]]:
+        """A spill's pages, in order: a page held (live or being written) is touched as by
+        :meth:`touch`; any other gets a free slot as by :meth:`alloc`, after ``collect()`` (GC)
+        whenever one more used slot would pass ``high_slots``. Returns ``(LIVE | WRITING |
+        ALLOCATED, slot)`` per page, ``(FULL, -1)`` where no slot was free. One loop for a
+        whole spill: a call per page was a fifth of the engine thread's time in a replay that
+        spills every page."""
+        get, writing, free, alloc = self._slot.get, self._writing, self._free, self.alloc
+        out: list[tuple[int, int]] = []
+        add = out.append
+        touched: dict[int, int] = {}  # slot -> clock, stamped before GC looks and at the end
         for h in page_hashes:
             found = get(h)
             if found is not None:
-                clock += 1
-                found.last_access = clock
-                to_end(h)
-                add((h, found.slot))
-        self.clock = clock
-        return out
-
-    def touch_or_alloc(
-        self,
-        page_hashes: Sequence[bytes],
-        high_slots: int,
-        collect: Callable[[], None],
-        touched: dict[bytes, int],
-    ) -> list[tuple[int, int]]:
-        """A spill's pages, in order: a page held (live or being written) is touched as by
-        :meth:`touch` (its slot recorded in ``touched``); any other gets a free slot as by
-        :meth:`alloc`, after ``collect()`` (GC) whenever one more used slot would pass
-        ``high_slots``. Returns ``(LIVE | WRITING | ALLOCATED, slot)`` per page, ``(FULL, -1)``
-        where no slot was free. One loop for a whole spill: a call per page was a fifth of the
-        engine thread's time in a replay that spills every page."""
-        pages, free, alloc = self._pages, self._free, self.alloc
-        get, to_end = pages.get, pages.move_to_end
-        out: list[tuple[int, int]] = []
-        add = out.append
-        for h in page_hashes:
-            found = get(h)
-            if found is not None:  # touch_many's step, inline: a call per page is what it saves
                 self.clock += 1
-                found.last_access = self.clock
-                to_end(h)
-                touched[h] = found.slot
-                add((LIVE if found.live else WRITING, found.slot))
+                touched[found] = self.clock
+                add((WRITING if h in writing else LIVE, found))
                 continue
             if self.num_slots - len(free) + 1 > high_slots:
+                if touched:
+                    self._stamp(touched)
+                    touched = {}
                 collect()  # frees slots into the same free list
             slot = alloc(h)
             add((FULL, -1) if slot is None else (ALLOCATED, slot))
+        if touched:
+            self._stamp(touched)
         return out
 
     def remove_coldest(self, n: int) -> list[tuple[bytes, int, int]]:
         """Free the ``n`` least recently used live pages (:meth:`remove` each), coldest first;
         returns their ``(page hash, slot, last_access)``."""
-        victims = [(h, slot, self._pages[h].last_access) for h, slot in self.coldest(n)]
-        for h, _, _ in victims:
-            self.remove(h)
-        return victims
+        coldest = self.coldest(n)
+        slots = [slot for _, slot in coldest]
+        lasts = self._last[slots].tolist()
+        pages, page = self._slot, self._page
+        for h, slot in coldest:
+            del pages[h]
+            page[slot] = None
+        self._last[slots] = _UNUSED
+        self._dirty[slots] = False
+        self._free += slots
+        return [(h, slot, last) for (h, slot), last in zip(coldest, lasts, strict=True)]
 
     def remove(self, page_hash: bytes) -> int:
         """The page's index entries are (being) deleted: free its slot (returned)."""
-        entry = self._pages.pop(page_hash)
-        assert entry.live, "remove a live page only"
-        self._free.append(entry.slot)
-        return entry.slot
+        assert page_hash in self._slot and page_hash not in self._writing, "remove a live page only"
+        return self._let_go(page_hash)
 
     def sort_free(self) -> None:
         """Hand free slots out lowest first from now on, so that pages planned together get
@@ -230,38 +279,52 @@ class SlotPool:
     def take_back(self, page_hash: bytes, slot: int, last_access: int) -> bool:
         """Make ``slot`` live again with ``page_hash`` (whose index entries still name it: their
         deletion failed); False when the slot is handed out again or the page lives elsewhere."""
-        if page_hash in self._pages or slot not in self._free:
+        if page_hash in self._slot or slot not in self._free:
             return False
         self._free.remove(slot)
-        self._pages[page_hash] = _Entry(slot, last_access, True)
-        # Back in its place in the LRU order (a rare fault path: the order is rebuilt whole).
-        self._pages = OrderedDict(sorted(self._pages.items(), key=lambda kv: kv[1].last_access))
+        self._hold(page_hash, slot, last_access)  # back in its place in the LRU order
         return True
+
+    def touched(self) -> list[tuple[bytes, int, int]]:
+        """``(page hash, slot, last_access)`` of live pages accessed since their index entry was
+        written, and forget every access (the caller writes them)."""
+        dirty = np.flatnonzero(self._dirty).tolist()
+        self._dirty[:] = False
+        page, last = self._page, self._last
+        return [(page[s], s, int(last[s])) for s in dirty if self._is_live(s)]  # type: ignore[misc]
 
     def rebuild(self, pages: list[tuple[bytes, int, int]]) -> None:
         """Start from ``(page hash, slot, last_access)`` live pages (a ``load`` cold start):
-        the LRU follows last_access (page hash breaks ties), every other slot is free."""
-        assert not self._pages, "rebuild an unused pool only"
-        ordered = sorted(pages, key=lambda p: (p[2], p[0]))
-        taken = {slot for _, slot, _ in ordered}
-        assert len(taken) == len(ordered), "two live pages in one slot"
+        the LRU follows last_access, every other slot is free."""
+        assert not self._slot, "rebuild an unused pool only"
+        taken = {slot for _, slot, _ in pages}
+        assert len(taken) == len(pages), "two live pages in one slot"
+        assert len({h for h, _, _ in pages}) == len(pages), "a page in two slots"
         assert all(0 <= s < self.num_slots for s in taken)
-        self._pages = OrderedDict((h, _Entry(slot, last, True)) for h, slot, last in ordered)
+        for h, slot, last in pages:
+            self._hold(h, slot, last)
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
-        self.clock = max((last for _, _, last in ordered), default=0)
+        self.clock = max((last for _, _, last in pages), default=0)
 
     def check(self) -> None:
-        """Free and used slots partition ``[0, num_slots)``; clocks are consistent."""
-        used = [e.slot for e in self._pages.values()]
+        """Free and used slots partition ``[0, num_slots)``; pages, slots and clocks agree."""
+        used = list(self._slot.values())
         parts = [*self._free, *used, *self.withheld]
         if sorted(parts) != list(range(self.num_slots)):
             dup = len(parts) - len(set(parts))
             raise PoolInvariantError(
-                f"disk slots: {len(self._free)} free + {self._num_writing} writing + "
+                f"disk slots: {len(self._free)} free + {self.num_writing} writing + "
                 f"{self.num_live} live != {self.num_slots} slots ({dup} handed out twice)"
             )
-        if self._num_writing != sum(1 for e in self._pages.values() if not e.live):
-            raise PoolInvariantError("disk slots: the count of slots being written is off")
-        clocks = [e.last_access for e in self._pages.values()]
-        if clocks != sorted(clocks) or (clocks and clocks[-1] > self.clock):
+        if not self._writing <= self._slot.keys():
+            raise PoolInvariantError("disk slots: a page being written holds no slot")
+        if any(self._page[s] != h for h, s in self._slot.items()):
+            raise PoolInvariantError("disk slots: a slot's page disagrees with the page's slot")
+        held = np.zeros(self.num_slots, dtype=bool)
+        held[used] = True
+        if sum(p is not None for p in self._page) != len(used):
+            raise PoolInvariantError("disk slots: a free slot still names a page")
+        if (self._last[~held] != _UNUSED).any() or (self._dirty & ~held).any():
+            raise PoolInvariantError("disk slots: a free slot keeps a clock or an access")
+        if used and int(self._last[held].max()) > self.clock:
             raise PoolInvariantError("disk LRU order disagrees with last_access")

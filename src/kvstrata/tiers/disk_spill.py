@@ -213,7 +213,6 @@ class SpillPipeline:
             where = self.pool.slot_of(h)
             if where == slot:
                 self.pool.remove(h)
-                self.planner.dirty.pop(h, None)
         # A page re-spilled meanwhile to another slot stays (and is not reported).
         if where in (slot, None):
             self.events.drop([h], self.counters)
@@ -337,11 +336,10 @@ class SpillPipeline:
 
     def _publish(self, written: list[Staged]) -> bool:
         """Commit the index entries of synced pages (one durable commit), then make them live."""
+        hashes = [item.page_hash for item in written]
         with self.state_lock:
-            pages = [
-                (item.page_hash, item.slot, self.pool.last_access(item.page_hash))
-                for item in written
-            ]
+            lasts = self.pool.last_accesses(hashes)
+        pages = [(h, item.slot, last) for h, item, last in zip(hashes, written, lasts, strict=True)]
         try:
             self.index.put_pages(self.ns.digest, self.rank, pages, self.num_payloads)
         except lmdb.Error as err:
@@ -349,8 +347,7 @@ class SpillPipeline:
             self.warn.warn("write", f"index commit failed: {err}")
             return False
         with self.state_lock:
-            for item in written:
-                self.pool.publish(item.page_hash)
+            self.pool.publish_many(hashes)
         nbytes = sum(s.geometry.slot_bytes for s in self.slabs) * len(written)
         self.counters.add(pages_written=len(written), bytes_written=nbytes)
         return True
