@@ -217,29 +217,50 @@ class SlotPool:
         :meth:`touch`; any other gets a free slot as by :meth:`alloc`, after ``collect()`` (GC)
         whenever one more used slot would pass ``high_slots``. Returns ``(LIVE | WRITING |
         ALLOCATED, slot)`` per page, ``(FULL, -1)`` where no slot was free. One loop for a
-        whole spill: a call per page was a fifth of the engine thread's time in a replay that
-        spills every page."""
-        get, writing, free, alloc = self._slot.get, self._writing, self._free, self.alloc
+        whole spill (a call per page was a fifth of the engine thread's time in a replay that
+        spills every page); the clocks go into the arrays at once, before GC looks and at the
+        end."""
+        slot_of, page, writing, free = self._slot, self._page, self._writing, self._free
+        get = slot_of.get
         out: list[tuple[int, int]] = []
         add = out.append
-        touched: dict[int, int] = {}  # slot -> clock, stamped before GC looks and at the end
+        new: dict[int, int] = {}  # slot -> clock of the pages allocated (not yet in the arrays)
+        touched: dict[int, int] = {}  # slot -> clock of the pages touched
+        clock = self.clock
         for h in page_hashes:
             found = get(h)
             if found is not None:
-                self.clock += 1
-                touched[found] = self.clock
+                clock += 1
+                touched[found] = clock
                 add((WRITING if h in writing else LIVE, found))
                 continue
             if self.num_slots - len(free) + 1 > high_slots:
-                if touched:
-                    self._stamp(touched)
-                    touched = {}
+                self.clock = clock
+                self._place(new, touched)
+                new, touched = {}, {}
                 collect()  # frees slots into the same free list
-            slot = alloc(h)
-            add((FULL, -1) if slot is None else (ALLOCATED, slot))
+            if not free:
+                add((FULL, -1))
+                continue
+            slot = free.pop()
+            clock += 1
+            slot_of[h] = slot
+            page[slot] = h
+            writing.add(h)
+            new[slot] = clock
+            add((ALLOCATED, slot))
+        self.clock = clock
+        self._place(new, touched)
+        return out
+
+    def _place(self, new: dict[int, int], touched: dict[int, int]) -> None:
+        """Put the clocks of newly allocated slots, then of touched ones, into the arrays."""
+        if new:
+            slots = np.fromiter(new, dtype=np.int64, count=len(new))
+            self._last[slots] = np.fromiter(new.values(), dtype=np.int64, count=len(new))
+            self._dirty[slots] = False
         if touched:
             self._stamp(touched)
-        return out
 
     def remove_coldest(self, n: int) -> list[tuple[bytes, int, int]]:
         """Free the ``n`` least recently used live pages (:meth:`remove` each), coldest first;
