@@ -137,6 +137,22 @@ def test_slot_pool_states_and_lru() -> None:
         pool.check()
 
 
+def test_slot_pool_ties_in_the_lru_go_by_slot() -> None:
+    """Only a page taken back can share a clock with another: GC then takes the lower slot
+    first, whichever of the tied pages a partial sort meets first."""
+    pool = SlotPool(6)
+    for h in (b"c", b"a", b"b", b"d"):
+        pool.alloc(h)
+        pool.publish(h)
+    assert pool.remove(b"c") == 0
+    assert pool.take_back(b"c", 0, pool.last_access(b"b"))  # slot 0 ties with b (slot 2)
+    assert pool.coldest(1) == [(b"a", 1)]
+    assert pool.coldest(2) == [(b"a", 1), (b"c", 0)]
+    assert pool.coldest(3) == [(b"a", 1), (b"c", 0), (b"b", 2)]
+    assert [h for h, _, _ in pool.remove_coldest(2)] == [b"a", b"c"]
+    pool.check()
+
+
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from("aptrx"), st.integers(0, 9)), max_size=80))
 def test_slot_pool_against_a_reference(ops: list[tuple[str, int]]) -> None:

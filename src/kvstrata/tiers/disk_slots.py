@@ -128,7 +128,10 @@ class SlotPool:
         # the n + (pages being written) smallest clocks hold the n coldest live pages
         k = min(n + len(self._writing), self.num_used)
         last = self._last
-        cand = np.argpartition(last, k - 1)[:k] if k < self.num_slots else np.arange(k)
+        if k < self.num_slots:  # and every slot tied with the k-th, so that ties go by slot
+            cand = np.flatnonzero(last <= last[np.argpartition(last, k - 1)[k - 1]])
+        else:
+            cand = np.arange(k)
         out: list[tuple[bytes, int]] = []
         for s in self._order(cand).tolist():
             if self._is_live(s):
