@@ -131,3 +131,19 @@ def test_replay_on_a_damaged_index_is_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith("kvstrata replay: error: the disk index")
     assert "truncated" in lines[0] and "disk check --fix" in lines[0]
     assert main([*args, "--l3-start", "clear"]) == 0
+
+
+def test_a_load_takes_a_clock_past_its_range(tmp_path: Path) -> None:
+    """The index keeps ``last_access`` as a u64 (a damaged value or another writer's can be
+    anything): a ``load`` start still takes every page, such a page as the most recent."""
+    pages = hashes(4)
+    with open_store(tmp_path, pages=8) as store:
+        spill_all(store, host_pool(), pages, ticket=1)
+        assert store._index is not None
+        slot = store.pool.slot_of(pages[0])
+        assert slot is not None
+        store._index.put_pages(NS.digest, 0, [(pages[0], slot, 2**64 - 1)], len(NS.payloads))
+    with open_store(tmp_path, pages=8, start="load") as store:
+        assert store.lookup(pages) == 4
+        assert [h for h, _ in store.pool.coldest(4)] == [*pages[1:], pages[0]]
+        store.pool.check()

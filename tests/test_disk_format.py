@@ -153,6 +153,19 @@ def test_slot_pool_ties_in_the_lru_go_by_slot() -> None:
     pool.check()
 
 
+def test_slot_pool_pages_loaded_with_one_clock_go_by_slot() -> None:
+    """An index ``disk check --fix`` rebuilt gives every page clock 0: GC takes them by slot,
+    and a partial sort cut inside the tie takes only the lowest slots it needs."""
+    pool = SlotPool(8)
+    pool.rebuild([(bytes([s]) * 32, s, 0) for s in (6, 2, 4, 0, 5)] + [(b"\x09" * 32, 7, 3)])
+    assert [s for _, s in pool.coldest(2)] == [0, 2]
+    assert [s for _, s in pool.coldest(6)] == [0, 2, 4, 5, 6, 7]
+    pool.touch(bytes([0]) * 32)
+    assert [s for _, s in pool.coldest(3)] == [2, 4, 5]
+    assert [s for _, s, _ in pool.remove_coldest(4)] == [2, 4, 5, 6]
+    pool.check()
+
+
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from("aptrx"), st.integers(0, 9)), max_size=80))
 def test_slot_pool_against_a_reference(ops: list[tuple[str, int]]) -> None:

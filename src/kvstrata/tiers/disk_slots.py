@@ -9,9 +9,10 @@ A page's payloads share one slot number (slot ``s`` of every payload's slab), so
 unit of allocation and of GC. ``last_access`` is a logical clock bumped on every alloc and touch
 (never wall-clock time), so a page takes its place in the LRU order when its spill is *planned*,
 not when its write happens to land: the order, and so what GC picks, is a function of the calls
-made, however fast the disk is. GC takes live pages from the least recently used (ties, which
-only a ``take_back`` can make, by slot); a page still being written is never a victim. Callers
-hold the store's state lock.
+made, however fast the disk is. GC takes live pages from the least recently used (ties by
+slot: pages a ``load`` start finds with the same clock, such as every page of an index that
+``kvstrata disk check --fix`` rebuilt, or a page taken back); a page still being written is
+never a victim. Callers hold the store's state lock.
 
 The LRU order is kept as arrays indexed by slot (``last_access`` and whether it was touched
 since its index entry was written), not as a linked order of page objects: a reload touches
@@ -31,6 +32,9 @@ from ..errors import PoolInvariantError
 LIVE, WRITING, ALLOCATED, FULL = range(4)
 #: ``last_access`` of a slot no page holds (after every real clock value).
 _UNUSED = np.iinfo(np.int64).max
+#: The latest clock a ``load`` start takes from the index (a u64 there; a damaged or foreign
+#: value past it counts as this recent, and the clock keeps room to run on).
+MAX_LOADED_CLOCK = 1 << 62
 
 
 class SlotPool:
@@ -128,8 +132,10 @@ class SlotPool:
         # the n + (pages being written) smallest clocks hold the n coldest live pages
         k = min(n + len(self._writing), self.num_used)
         last = self._last
-        if k < self.num_slots:  # and every slot tied with the k-th, so that ties go by slot
-            cand = np.flatnonzero(last <= last[np.argpartition(last, k - 1)[k - 1]])
+        if k < self.num_slots:  # the k smallest (clock, slot): of those tied with the k-th,
+            kth = last[np.argpartition(last, k - 1)[k - 1]]  # the lowest slots
+            below = np.flatnonzero(last < kth)
+            cand = np.concatenate((below, np.flatnonzero(last == kth)[: k - below.size]))
         else:
             cand = np.arange(k)
         out: list[tuple[bytes, int]] = []
@@ -319,8 +325,10 @@ class SlotPool:
 
     def rebuild(self, pages: list[tuple[bytes, int, int]]) -> None:
         """Start from ``(page hash, slot, last_access)`` live pages (a ``load`` cold start):
-        the LRU follows last_access, every other slot is free."""
+        the LRU follows last_access (at most :data:`MAX_LOADED_CLOCK`), every other slot is
+        free."""
         assert not self._slot, "rebuild an unused pool only"
+        pages = [(h, slot, min(max(last, 0), MAX_LOADED_CLOCK)) for h, slot, last in pages]
         taken = {slot for _, slot, _ in pages}
         assert len(taken) == len(pages), "two live pages in one slot"
         assert len({h for h, _, _ in pages}) == len(pages), "a page in two slots"
