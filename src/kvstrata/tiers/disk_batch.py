@@ -84,7 +84,7 @@ def check_slots(
         & (heads["hash"] == _hashes(page_hashes))
     )
     view = staging.view
-    starts = (idx * staging.block_bytes + staging.offsets[kind]).tolist()
+    starts = staging.slot_starts(idx, kind)
     head_crc = np.fromiter(
         (crc32c(view[s : s + _SLOT_HEAD.size]) for s in starts), dtype=np.uint32, count=n
     )
@@ -114,7 +114,7 @@ def write_headers(
         return
     view = staging.view
     idx = _index(blocks)
-    starts = (idx * staging.block_bytes + staging.offsets[kind]).tolist()
+    starts = staging.slot_starts(idx, kind)
     body = SLOT_HEADER_BYTES
     heads = np.zeros(n, dtype=HEAD_DTYPE)
     heads["magic"] = PAGE_MAGIC

@@ -23,8 +23,9 @@ slot from being rewritten while an index entry names it. Until the deletion comm
 are still in the index; ``pending`` lists them so that lookups already miss them.
 
 An access moves a page in the in-memory LRU at once; its ``last_access`` in the index is brought
-up to date only when the store closes (``SlotPool.touched``): a lost touch only changes the order GC takes
-pages in after a crash, never what a read returns, and keeps accesses from rewriting the index.
+up to date only when the store closes (``SlotPool.touched``): a lost touch only changes the
+order GC takes pages in after a crash, never what a read returns, and keeps accesses from
+rewriting the index.
 """
 
 from __future__ import annotations

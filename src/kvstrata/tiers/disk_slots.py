@@ -210,14 +210,17 @@ class SlotPool:
         get = self._slot.get
         found = [s for s in map(get, page_hashes) if s is not None]
         if found:
-            self._stamp({s: i for i, s in enumerate(found, self.clock + 1)})
+            self._stamp({s: i for i, s in enumerate(found, self.clock + 1)}, touched=True)
             self.clock += len(found)
 
-    def _stamp(self, clocks: dict[int, int]) -> None:
-        """Set ``last_access`` of slots (``slot -> clock``) and mark them touched."""
+    def _stamp(self, clocks: dict[int, int], touched: bool) -> None:
+        """Set ``last_access`` of slots (``slot -> clock``), marked as accessed since their index
+        entry was written or not (``touched``: a new page's entry will carry its clock)."""
+        if not clocks:
+            return
         slots = np.fromiter(clocks, dtype=np.int64, count=len(clocks))
         self._last[slots] = np.fromiter(clocks.values(), dtype=np.int64, count=len(clocks))
-        self._dirty[slots] = True
+        self._dirty[slots] = touched
 
     def touch_or_alloc(
         self, page_hashes: Sequence[bytes], high_slots: int, collect: Callable[[], None]
@@ -245,7 +248,8 @@ class SlotPool:
                 continue
             if self.num_slots - len(free) + 1 > high_slots:
                 self.clock = clock
-                self._place(new, touched)
+                self._stamp(new, touched=False)
+                self._stamp(touched, touched=True)
                 new, touched = {}, {}
                 collect()  # frees slots into the same free list
             if not free:
@@ -259,17 +263,9 @@ class SlotPool:
             new[slot] = clock
             add((ALLOCATED, slot))
         self.clock = clock
-        self._place(new, touched)
+        self._stamp(new, touched=False)  # then the touches: a page allocated and touched again
+        self._stamp(touched, touched=True)  # in one call takes the later clock
         return out
-
-    def _place(self, new: dict[int, int], touched: dict[int, int]) -> None:
-        """Put the clocks of newly allocated slots, then of touched ones, into the arrays."""
-        if new:
-            slots = np.fromiter(new, dtype=np.int64, count=len(new))
-            self._last[slots] = np.fromiter(new.values(), dtype=np.int64, count=len(new))
-            self._dirty[slots] = False
-        if touched:
-            self._stamp(touched)
 
     def remove_coldest(self, n: int) -> list[tuple[bytes, int, int]]:
         """Free the ``n`` least recently used live pages (:meth:`remove` each), coldest first;
