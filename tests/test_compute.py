@@ -86,10 +86,12 @@ def test_payload_memory_does_not_grow_with_the_sequence() -> None:
 
 
 @pytest.mark.parametrize("kv_width", [4, 5, 8, 13])
-@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("path", ["pages", "batch", "device"])
 def test_forward_writes_the_payload_of_each_whole_sequence(kv_width: int, path: str) -> None:
-    """Both forwards (numpy on a CPU pool, torch ops elsewhere) write, chunk by chunk over
-    several batches, exactly the bytes ``synthetic_payload`` gives for each whole sequence."""
+    """Every forward (numpy from the page tables on a CPU pool, the same through a
+    ForwardBatch, torch ops elsewhere) writes, chunk by chunk over several batches, exactly the
+    bytes ``synthetic_payload`` gives for each whole sequence, whatever page offsets the chunks
+    start and end at."""
     import numpy as np
 
     from kvstrata.model.batch import ForwardBatch
@@ -99,7 +101,6 @@ def test_forward_writes_the_payload_of_each_whole_sequence(kv_width: int, path: 
     P, rng = 4, np.random.default_rng(kv_width)
     compute = SyntheticCompute(kv_width, 1000)
     pool = DevicePool(compute.layout, P, 256, "cpu")
-    forward = compute._forward_host if path == "host" else compute._forward_device
     lengths = [37, 9, 64, 1]
     slots = rng.permutation(256).astype(np.int64)
     tables, used = [], 0
@@ -115,8 +116,14 @@ def test_forward_writes_the_payload_of_each_whole_sequence(kv_width: int, path: 
         ids = torch.cat(
             [seqs[i][done[i] : done[i] + e] for i, e in zip(live, extends, strict=True)]
         )
-        table = compute._weights(max(lengths), pool.device)
-        forward(ids, batch, pool, table)
+        if path == "pages":
+            prefix = [done[i] for i in live]
+            tabs = [tables[i] for i in live]
+            assert compute.forward_pages(prefix, extends, tabs, ids.numpy().astype(np.uint32), pool)
+        elif path == "batch":
+            compute.forward(ids, batch, pool)
+        else:
+            compute._forward_device(ids, batch, pool, compute._weights(max(lengths), pool.device))
         for i, e in zip(live, extends, strict=True):
             done[i] += e
     for i, n in enumerate(lengths):

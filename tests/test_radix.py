@@ -927,3 +927,81 @@ def test_confirmed_len_cannot_exceed_cached_len() -> None:
     assert pages is not None
     with pytest.raises(ConfigError, match="confirmed_len"):
         tree.insert([1, 2, 3, 4], pages, 0, confirmed_len=2)
+
+
+def _chunked_prefill(
+    tree: RadixTree, alloc: PageAllocator, tokens: list[int], chunk: int, use_below: bool
+) -> list[tuple[int, list[int], int]]:
+    """Match, then insert ``tokens`` chunk by chunk as the engine does (the node that ends the
+    inserted part locked between chunks), passing that node as ``below`` or not; each insert's
+    (prefix_len, free pages, node end)."""
+    P = tree.page_size
+    key = tree.key(tokens)
+    hit = tree.match_prefix(key)
+    node, inserted = hit.last_node, hit.valid_len
+    tree.lock(node)
+    pages = np.concatenate(
+        [hit.device_pages, alloc.alloc(0, page_span(len(tokens), P) - hit.valid_len // P)]
+    )
+    out = []
+    while inserted < len(tokens):
+        upto = min(len(tokens), inserted + chunk)
+        if upto < len(tokens):
+            upto -= upto % P
+        if upto <= inserted:
+            upto = len(tokens)
+        sub = key.prefix(upto) if upto < len(tokens) else key
+        below = node if use_below and node.end == inserted else None
+        span = page_span(upto, P)
+        result = tree.insert(sub, pages[:span], inserted, inserted, below)
+        pages[:span] = result.pages
+        alloc.free(result.free_pages)
+        out.append((result.prefix_len, result.free_pages.tolist(), result.node.end))
+        if result.node is not node:
+            tree.lock(result.node)
+            tree.unlock(node)
+            node = result.node
+        inserted = upto
+    tree.unlock(node)
+    return out
+
+
+@given(
+    requests=st.lists(
+        st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1, max_size=12
+    ),
+    page_size=st.sampled_from([1, 2, 4]),
+    chunk=st.integers(1, 12),
+)
+@settings(max_examples=150, deadline=None)
+def test_a_chunk_inserted_below_its_previous_chunk_equals_a_walk_from_the_root(
+    requests: list[list[int]], page_size: int, chunk: int
+) -> None:
+    """Starting the insert's walk at the node that ends the chunk before (what the engine does)
+    gives the same results, pages and tree, digest for digest, as walking from the root; shared
+    prefixes, splits, duplicates and valid tails included (requests share a small alphabet)."""
+    trees = [make(page_size, num_pages=2048) for _ in range(2)]
+    for tokens in requests:
+        got = [
+            _chunked_prefill(t, a, tokens, chunk, use)
+            for (t, a), use in zip(trees, (False, True), strict=True)
+        ]
+        assert got[0] == got[1]
+        assert trees[0][0].digest() == trees[1][0].digest()
+    for tree, alloc in trees:
+        tree.check()
+        assert tree.num_pages == alloc.num_used
+
+
+def test_below_must_end_where_the_confirmed_part_does() -> None:
+    tree, alloc = make(2)
+    pages = alloc.alloc(0, 3)
+    assert pages is not None
+    tree.insert([1, 2, 3, 4, 5, 6], pages, 0)
+    hit = tree.match_prefix([1, 2, 3, 4, 7, 8])
+    assert hit.valid_len == 4 and hit.last_node.end == 4
+    fresh = alloc.alloc(2, 1)
+    assert fresh is not None
+    full = np.concatenate([hit.device_pages, fresh])
+    with pytest.raises(TreeUsageError, match="below"):
+        tree.insert([1, 2, 3, 4, 7, 8], full, 4, 2, below=hit.last_node)  # ends at 4, not 2

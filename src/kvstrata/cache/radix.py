@@ -189,17 +189,20 @@ class RadixTree(TierState):
         """The valid length ``match_prefix`` would return, without recording an access."""
         return self._descend(self.key(tokens))[1] * self.page_size
 
-    def _descend(self, key: TokenKey, confirmed_len: int = 0) -> tuple[list[Node], int]:
+    def _descend(
+        self, key: TokenKey, confirmed_len: int = 0, below: Node | None = None
+    ) -> tuple[list[Node], int]:
         """Nodes whose pages the full-page prefix of ``key`` matches, and how many pages match.
 
         Remembers its last answer: an ``insert`` right after the ``match_prefix`` of the same key,
         with no structural change in between, does not walk again. The tokens of the first
-        ``confirmed_len`` are known to match (see :meth:`insert`) and are not compared again.
+        ``confirmed_len`` are known to match (see :meth:`insert`) and are not compared again;
+        ``below``, the node that ends there, is where the walk by keys starts.
         """
         memo = self._memo
         if memo is not None and memo[0] is key and memo[1] == self._version:
             return memo[2], memo[3]
-        path, m = self._descend_by_keys(key)
+        path, m = self._descend_by_keys(key, below)
         if m and not self._confirm(key, path, m * self.page_size, confirmed_len):
             self.hash_collisions += 1
             path, m = self._descend_exact(key)
@@ -217,9 +220,12 @@ class RadixTree(TierState):
         lo = skip - rest[0].start
         return bool(np.array_equal(key.tokens[skip:length], tokens[lo : lo + length - skip]))
 
-    def _descend_by_keys(self, key: TokenKey) -> tuple[list[Node], int]:
+    def _descend_by_keys(self, key: TokenKey, below: Node | None = None) -> tuple[list[Node], int]:
         keys, nf, P = key.page_keys, key.num_full_pages, self.page_size
-        node, path, m = self.root, [], 0
+        if below is None or below is self.root:
+            node, path, m = self.root, [], 0
+        else:  # the walk from the root would pass through it: start there
+            node, path, m = below, _path_to(below), below.end // P
         while m < nf:
             child = node.children.get(keys.item(m))
             if child is None:
@@ -277,6 +283,7 @@ class RadixTree(TierState):
         pages: IntArray,
         cached_len: int,
         confirmed_len: int = 0,
+        below: Node | None = None,
     ) -> InsertResult:
         """Insert a whole sequence whose KV sits in the device ``pages`` (one per page of its
         padded span).
@@ -294,7 +301,8 @@ class RadixTree(TierState):
         ``confirmed_len`` (at most ``cached_len``) skips comparing tokens the caller knows the tree
         holds: it matched or inserted them with these same tokens and has kept the node that ends
         there locked since. A chunked prefill passes what it inserted so far, so each chunk's
-        insert compares its own tokens, not the whole context again.
+        insert compares its own tokens, not the whole context again, and, as ``below``, the node
+        that ends there (its previous chunk's), so that the walk starts there, not at the root.
         """
         key = self.key(tokens)
         P, n = self.page_size, len(key)
@@ -319,8 +327,13 @@ class RadixTree(TierState):
             raise ConfigError(
                 f"confirmed_len must lie in [0, cached_len {cached_len}], got {confirmed_len!r}"
             )
+        if below is not None and (below.dead or below.end != confirmed_len or confirmed_len % P):
+            raise TreeUsageError(
+                f"below must be a live node that ends at confirmed_len {confirmed_len} (page "
+                f"aligned); it spans [{below.start}, {below.end})"
+            )
         pages = pages.astype(np.int64, copy=False)
-        path, m = self._descend(key, confirmed_len)
+        path, m = self._descend(key, confirmed_len, below)
         if cached_len > m * P:
             raise ConfigError(
                 f"cached_len {cached_len} exceeds the {m * P} tokens the tree holds for this key; "

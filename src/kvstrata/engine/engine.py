@@ -356,22 +356,26 @@ class Engine:
             if all_logits:
                 raise ConfigError("all-token logits are not kept under context parallelism")
             return self._forward_cp(chosen)
-        # Tokens, page tables and lengths reach the device in one copy (ForwardBatch.build).
         ids = np.concatenate(
             [run.key.tokens[run.done_len : run.done_len + extend] for run, extend in chosen]
         )
+        prefix_lens = [run.done_len for run, _ in chosen]
+        extend_lens = [extend for _, extend in chosen]
+        page_tables = [run.pages for run, _ in chosen]
+        pool, hooks = self.cache.pool, self.cache.hooks
+        if self.compute.forward_pages(prefix_lens, extend_lens, page_tables, ids, pool, hooks):
+            return None  # written from the page tables: no logits, no per-token indices
+        # Tokens, page tables and lengths reach the device in one copy (ForwardBatch.build).
         batch = ForwardBatch.build(
-            prefix_lens=[run.done_len for run, _ in chosen],
-            extend_lens=[extend for _, extend in chosen],
-            page_tables=[run.pages for run, _ in chosen],
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            page_tables=page_tables,
             page_size=self.config.page_size,
-            device=self.cache.pool.device,
+            device=pool.device,
             input_ids=ids.astype(np.int64),
         )
         assert batch.input_ids is not None
-        return self.compute.forward(
-            batch.input_ids, batch, self.cache.pool, all_logits, self.cache.hooks
-        )
+        return self.compute.forward(batch.input_ids, batch, pool, all_logits, hooks)
 
     def _forward_cp(self, chosen: list[tuple[Running, int]]) -> torch.Tensor | None:
         """This rank's share of the step: the tokens of the pages it owns, the rest exchanged."""

@@ -386,8 +386,10 @@ class CacheHierarchy:
         key = run.key.prefix(upto)
         span = page_span(upto, P)
         # The tree has held the first inserted_len tokens, locked, since this request matched or
-        # inserted them: only this chunk's tokens need comparing.
-        result = self.tree.insert(key, run.pages[:span], run.inserted_len, run.inserted_len)
+        # inserted them: only this chunk's tokens need comparing, below the node that ends them
+        # (after a key collision the node may end elsewhere: the walk then starts at the root).
+        below = run.node if run.node.end == run.inserted_len else None
+        result = self.tree.insert(key, run.pages[:span], run.inserted_len, run.inserted_len, below)
         run.pages[:span] = result.pages  # the tree's own pages where it had them
         if result.free_pages.size:
             still_read = np.isin(result.free_pages, result.pages)

@@ -11,6 +11,7 @@ for byte.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -47,6 +48,21 @@ class Compute(Protocol):
         every layer before it reads the pool and after it wrote its KV."""
         ...
 
+    def forward_pages(
+        self,
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        page_tables: Sequence[npt.NDArray[np.int64]],
+        tokens: npt.NDArray[np.uint32],
+        pool: DevicePool,
+        hooks: LayerHooks | None = None,
+    ) -> bool:
+        """Write one packed step's KV straight from the requests' page tables, without a
+        :class:`ForwardBatch`, where this compute can do with no more (synthetic payloads on a
+        CPU pool: a copy per page, not an index per token); False where it needs :meth:`forward`
+        (a model: logits, attention over the prefix). ``tokens``: the extends, packed."""
+        ...
+
     def snapshot(
         self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int
     ) -> torch.Tensor | None:
@@ -77,6 +93,17 @@ class ModelCompute:
         return self.model(
             input_ids, batch, pool, logits="all" if all_logits else "last", hooks=hooks
         )
+
+    def forward_pages(
+        self,
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        page_tables: Sequence[npt.NDArray[np.int64]],
+        tokens: npt.NDArray[np.uint32],
+        pool: DevicePool,
+        hooks: LayerHooks | None = None,
+    ) -> bool:
+        return False  # logits and attention need a ForwardBatch
 
     def snapshot(self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int) -> None:
         return None
@@ -115,6 +142,17 @@ class PairCompute:
         draft = self.draft(input_ids, batch, pool, logits=mode, hooks=waits)
         target = self.target(input_ids, batch, pool, logits=mode, hooks=hooks)
         return torch.stack((target, draft), dim=-2)
+
+    def forward_pages(
+        self,
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        page_tables: Sequence[npt.NDArray[np.int64]],
+        tokens: npt.NDArray[np.uint32],
+        pool: DevicePool,
+        hooks: LayerHooks | None = None,
+    ) -> bool:
+        return False  # logits and attention need a ForwardBatch
 
     def snapshot(self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int) -> None:
         return None
@@ -223,6 +261,7 @@ class SyntheticCompute:
         self.exchange = ExchangeBytes(kv=kv_width, queries=2 * kv_width, partials=2 * kv_width + 8)
         self._weight_table: torch.Tensor | None = None
         self._rows: tuple[DevicePool, npt.NDArray[np.uint8]] | None = None
+        self._host_table: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
 
     def forward(
         self,
@@ -242,51 +281,110 @@ class SyntheticCompute:
         # Only the row of each request's last cached token is read: the work grows with the
         # tokens computed, not with the requests' contexts.
         top = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens, strict=True))
-        weights = self._weights(top, pool.device)
         if pool.device.type == "cpu":
-            self._forward_host(input_ids, batch, pool, weights)
+            assert batch.page_table is not None and batch.table_starts is not None
+            table = batch.page_table.numpy()
+            starts = [*batch.table_starts.tolist(), table.size]
+            self._write_pages(
+                batch.prefix_lens,
+                batch.extend_lens,
+                [table[a:b] for a, b in itertools.pairwise(starts)],
+                input_ids.numpy().astype(np.uint32),
+                pool,
+            )
         else:
-            self._forward_device(input_ids, batch, pool, weights)
+            self._forward_device(input_ids, batch, pool, self._weights(top, pool.device))
         if hooks is not None:
             hooks.after_layer(0)
         return None
 
-    def _forward_host(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, pool: DevicePool, table: torch.Tensor
+    def forward_pages(
+        self,
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        page_tables: Sequence[npt.NDArray[np.int64]],
+        tokens: npt.NDArray[np.uint32],
+        pool: DevicePool,
+        hooks: LayerHooks | None = None,
+    ) -> bool:
+        """On a CPU pool: write the step's payloads straight from the page tables (no
+        :class:`ForwardBatch`); False on another device."""
+        if pool.device.type != "cpu":
+            return False
+        if hooks is not None:
+            hooks.before_layer(0)
+        self._write_pages(prefix_lens, extend_lens, page_tables, tokens, pool)
+        if hooks is not None:
+            hooks.after_layer(0)
+        return True
+
+    def _write_pages(
+        self,
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        page_tables: Sequence[npt.NDArray[np.int64]],
+        tokens: npt.NDArray[np.uint32],
+        pool: DevicePool,
     ) -> None:
-        """The forward on a CPU pool, in numpy (a third of torch's per-op overhead per step)."""
-        rows = self._host_rows(pool)
-        tokens = input_ids.numpy().astype(np.int64, copy=False)
-        running = np.take(table.numpy(), batch.positions.numpy())
-        running *= tokens + 1
-        running &= _STATE_MASK
-        np.cumsum(running, out=running)
+        """The forward on a CPU pool, in numpy, with no index per token.
+
+        The running sums are taken in ``uint32``, whose wrap-around keeps them exact mod 2**32
+        and so, after the final mask, mod 2**31 (half the bytes of int64 and no mask per step).
+        Request ``i``'s extend covers positions ``[p, p + e)``; its rows go to its pages whole::
+
+            positions   p ....................................... p + e
+            pages       [ head: rows p % P .. P ][ full pages, one copy ][ tail: rows 0 .. ]
+        """
+        P, width = pool.page_size, self.kv_width
+        grid = self._host_rows(pool).reshape(-1, P, width)  # [slot, row in page, byte]
+        top = max(p + e for p, e in zip(prefix_lens, extend_lens, strict=True))
+        weights = self._host_weights(top)
+        state = np.empty(tokens.size, dtype=np.uint32)
+        bounds = list(itertools.pairwise(itertools.accumulate(extend_lens, initial=0)))
+        for p, (lo, hi) in zip(prefix_lens, bounds, strict=True):
+            state[lo:hi] = weights[p : p + hi - lo]
+        state *= tokens + np.uint32(1)
+        np.cumsum(state, dtype=np.uint32, out=state)
         # Rebase each request's slice of the packed running sum onto its cached prefix's state:
         #   state = prefix_state + (running - running just before the request's first token)
-        cu = batch.cu_seqlens_host
-        assert batch.prefix_last_row is not None, "build the batch with ForwardBatch.build"
-        last = batch.prefix_last_row.numpy()
-        cached = np.zeros(last.size, dtype=np.int64)
-        has_prefix = last >= 0
-        if has_prefix.any():
-            cached[has_prefix] = _read_states(rows, last[has_prefix])
-        before = [int(running[lo - 1]) if lo else 0 for lo in cu[:-1]]
-        for i, (lo, hi) in enumerate(itertools.pairwise(cu)):
-            running[lo:hi] += int(cached[i]) - before[i]
-        running &= _STATE_MASK
-        write = batch.write_index.numpy()
-        if self.kv_width % _STATE_BYTES == 0:  # 4-byte aligned rows: one scatter of uint32
-            rows.view("<u4")[:, 0][write] = running.astype("<u4")
-        else:
-            rows[write, :_STATE_BYTES] = running.astype("<u4").view(np.uint8).reshape(-1, 4)
-        if self.kv_width > _STATE_BYTES:
-            lanes = np.arange(_STATE_BYTES, self.kv_width, dtype=np.int64)
-            mixed = tokens[:, None] * _TOKEN_MULT + (lanes * _LANE_MULT)[None, :]
-            mixed &= _STATE_MASK
-            mixed ^= running[:, None]
-            mixed >>= ((lanes % _STATE_BYTES) * 8)[None, :]
-            mixed &= 0xFF
-            rows[write, _STATE_BYTES:] = mixed
+        before = [int(state[lo - 1]) if lo else 0 for lo, _ in bounds]
+        for p, (lo, hi), table, b in zip(prefix_lens, bounds, page_tables, before, strict=True):
+            cached = 0
+            if p:
+                page, row = divmod(p - 1, P)
+                cached = int.from_bytes(grid[table[page], row, :_STATE_BYTES].tobytes(), "little")
+            state[lo:hi] += np.uint32((cached - b) % (1 << 32))
+        state &= np.uint32(_STATE_MASK)
+        payload = self._host_payload(state, tokens)
+        pages = grid.reshape(-1).view(np.dtype((np.void, P * width)))  # [slot]: a page, whole
+        for p, (lo, hi), table in zip(prefix_lens, bounds, page_tables, strict=True):
+            _scatter_pages(grid, pages, table, p, payload[lo:hi])
+
+    def _host_payload(
+        self, state: npt.NDArray[np.uint32], tokens: npt.NDArray[np.uint32]
+    ) -> npt.NDArray[np.uint8]:
+        """``[T, kv_width]`` bytes: the state (little endian), then the mixed lanes."""
+        n = state.size
+        head = state.astype("<u4", copy=False).view(np.uint8).reshape(n, _STATE_BYTES)
+        if self.kv_width == _STATE_BYTES:
+            return head
+        out = np.empty((n, self.kv_width), dtype=np.uint8)
+        out[:, :_STATE_BYTES] = head
+        lanes = np.arange(_STATE_BYTES, self.kv_width, dtype=np.int64)
+        mixed = tokens.astype(np.int64)[:, None] * _TOKEN_MULT + (lanes * _LANE_MULT)[None, :]
+        mixed &= _STATE_MASK
+        mixed ^= state.astype(np.int64)[:, None]
+        mixed >>= ((lanes % _STATE_BYTES) * 8)[None, :]
+        mixed &= 0xFF
+        out[:, _STATE_BYTES:] = mixed
+        return out
+
+    def _host_weights(self, num_positions: int) -> npt.NDArray[np.uint32]:
+        """:meth:`_weights` on the CPU as ``uint32`` (every weight is below 2**31)."""
+        if self._host_table.size < num_positions:
+            self._host_table = self._weights(num_positions, torch.device("cpu")).numpy()
+            self._host_table = self._host_table.astype(np.uint32)
+        return self._host_table
 
     def _host_rows(self, pool: DevicePool) -> npt.NDArray[np.uint8]:
         """The pool's payload rows as a numpy view (made once per pool)."""
@@ -366,15 +464,37 @@ class SyntheticCompute:
         return pool.token_view("kv", 0).index_select(0, rows).cpu()
 
 
-def _read_states(
-    rows: npt.NDArray[np.uint8], row_ids: npt.NDArray[np.int64]
-) -> npt.NDArray[np.int64]:
-    """The prefix states stored in the first four bytes of payload rows (numpy, little endian)."""
-    head = np.ascontiguousarray(rows[row_ids, :_STATE_BYTES])
-    return head.view("<u4").ravel().astype(np.int64)
-
-
 def _decode_states(rows: torch.Tensor) -> torch.Tensor:
     """The prefix states stored in the first four bytes of payload rows ``[R, kv_width]``."""
     b = rows[:, :_STATE_BYTES].to(torch.int64)
     return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+
+
+def _scatter_pages(
+    grid: npt.NDArray[np.uint8],
+    pages: npt.NDArray[np.void],
+    table: npt.NDArray[np.int64],
+    start: int,
+    rows: npt.NDArray[np.uint8],
+) -> None:
+    """Write ``rows`` (``[n, width]``, contiguous) at positions ``[start, start + n)`` of the
+    sequence whose page slots are ``table``, in ``grid`` (``[slots, P, width]``) and ``pages``
+    (the same bytes, one item a page): the partial pages by slices, the whole ones in one
+    indexed copy of a page each."""
+    P = grid.shape[1]
+    n = rows.shape[0]
+    page, at = divmod(start, P)
+    done = 0
+    if at:
+        done = min(P - at, n)
+        grid[table[page], at : at + done] = rows[:done]
+        page += 1
+    full = (n - done) // P
+    if full:
+        pages[table[page : page + full]] = (
+            rows[done : done + full * P].reshape(-1).view(pages.dtype)
+        )
+        done += full * P
+        page += full
+    if done < n:
+        grid[table[page], : n - done] = rows[done:]
