@@ -82,6 +82,12 @@ class SpillPlanner:
         fates = self.pool.touch_or_alloc(
             [h for h, _ in job.pages], self.high_slots, lambda: self._collect(job)
         )
+        if [fate for fate, _ in fates].count(ALLOCATED) == len(fates):  # the usual spill
+            rows = [(h, host, slot) for (h, host), (_, slot) in zip(job.pages, fates, strict=True)]
+            step = self.batch_pages
+            job.batches = [rows[i : i + step] for i in range(0, len(rows), step)]
+            job.pending = len(rows)
+            return
         for (h, host_slot), (fate, slot) in zip(job.pages, fates, strict=True):
             if fate == ALLOCATED:
                 batch.append((h, host_slot, slot))
@@ -113,8 +119,7 @@ class SpillPlanner:
         if used + 1 <= self.high_slots:
             return
         victims = pool.remove_coldest(used - self.low_slots)
-        for h, slot, _ in victims:
-            self.pending[h] = slot
+        self.pending.update((h, slot) for h, slot, _ in victims)
         job.victims += victims
         pool.sort_free()
 

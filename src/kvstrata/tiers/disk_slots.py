@@ -126,25 +126,27 @@ class SlotPool:
 
     def coldest(self, n: int) -> list[tuple[bytes, int]]:
         """The ``n`` least recently used live pages ``(hash, slot)``, coldest first."""
+        slots = self._coldest_slots(n).tolist()
+        page = self._page
+        return [(page[s], s) for s in slots]  # type: ignore[misc]
+
+    def _coldest_slots(self, n: int) -> np.ndarray:
+        """The slots of the ``n`` least recently used live pages, coldest first (ties by slot),
+        from one partial sort of the clocks: slots free or being written sort last."""
         n = min(n, self.num_live)
         if n <= 0:
-            return []
-        # the n + (pages being written) smallest clocks hold the n coldest live pages
-        k = min(n + len(self._writing), self.num_used)
+            return np.empty(0, dtype=np.int64)
         last = self._last
-        if k < self.num_slots:  # the k smallest (clock, slot): of those tied with the k-th,
-            kth = last[np.argpartition(last, k - 1)[k - 1]]  # the lowest slots
+        if self._writing:  # never a victim: keyed past every page's clock, as free slots are
+            last = last.copy()
+            last[list(map(self._slot.__getitem__, self._writing))] = _UNUSED
+        if n < self.num_slots:  # the n smallest (clock, slot): of those tied with the n-th,
+            kth = last[np.argpartition(last, n - 1)[n - 1]]  # the lowest slots
             below = np.flatnonzero(last < kth)
-            cand = np.concatenate((below, np.flatnonzero(last == kth)[: k - below.size]))
+            cand = np.concatenate((below, np.flatnonzero(last == kth)[: n - below.size]))
         else:
-            cand = np.arange(k)
-        out: list[tuple[bytes, int]] = []
-        for s in self._order(cand).tolist():
-            if self._is_live(s):
-                out.append((self._page[s], s))
-                if len(out) == n:
-                    break
-        return out
+            cand = np.arange(n)
+        return cand[np.lexsort((cand, last[cand]))]
 
     def dirty_pages(self) -> dict[bytes, int]:
         """``page hash -> slot`` of the pages touched since their index entry was written."""
@@ -228,10 +230,66 @@ class SlotPool:
         """A spill's pages, in order: a page held (live or being written) is touched as by
         :meth:`touch`; any other gets a free slot as by :meth:`alloc`, after ``collect()`` (GC)
         whenever one more used slot would pass ``high_slots``. Returns ``(LIVE | WRITING |
-        ALLOCATED, slot)`` per page, ``(FULL, -1)`` where no slot was free. One loop for a
-        whole spill (a call per page was a fifth of the engine thread's time in a replay that
-        spills every page); the clocks go into the arrays at once, before GC looks and at the
-        end."""
+        ALLOCATED, slot)`` per page, ``(FULL, -1)`` where no slot was free.
+
+        One call for a whole spill (a call per page was a fifth of the engine thread's time in
+        a replay that spills every page), and the usual part of it without a Python step a page:
+        a run of pages the pool does not hold that fits under ``high_slots`` takes the next free
+        slots, clocks and entries in a few bulk operations. Pages held, GC and a full pool go
+        one by one; the clocks go into the arrays before GC looks and at the end."""
+        hashes = list(page_hashes)
+        if len(set(hashes)) != len(hashes):  # a page twice: its second time is a touch
+            return self._touch_or_alloc_each(hashes, high_slots, collect)
+        slot_of, page, writing, free = self._slot, self._page, self._writing, self._free
+        found = list(map(slot_of.get, hashes))  # exact until GC frees slots (no page twice)
+        out: list[tuple[int, int]] = []
+        add = out.append
+        touched: dict[int, int] = {}  # slot -> clock of the pages touched
+        clock, i, n = self.clock, 0, len(hashes)
+        while i < n:
+            slot = found[i]
+            if slot is not None:
+                clock += 1
+                touched[slot] = clock
+                add((WRITING if hashes[i] in writing else LIVE, slot))
+                i += 1
+                continue
+            if self.num_slots - len(free) + 1 > high_slots:  # GC first, as for any new page
+                self.clock = clock
+                self._stamp(touched, touched=True)
+                touched = {}
+                collect()  # frees slots into the same free list
+                found[i + 1 :] = map(slot_of.get, hashes[i + 1 :])
+            if not free:
+                add((FULL, -1))
+                i += 1
+                continue
+            # Page i and the absent pages after it that fit under the watermark (page i alone
+            # where GC could not bring the pool below it): allocated in bulk.
+            room = max(high_slots - (self.num_slots - len(free)), 1)
+            j, stop = i + 1, min(n, i + room, i + len(free))
+            while j < stop and found[j] is None:
+                j += 1
+            run, k = hashes[i:j], j - i
+            slots = free[len(free) - k :][::-1]  # as pop() hands them out: lowest slot first
+            del free[len(free) - k :]
+            slot_of.update(zip(run, slots, strict=True))
+            writing.update(run)
+            for s, h in zip(slots, run, strict=True):
+                page[s] = h
+            self._last[slots] = np.arange(clock + 1, clock + k + 1, dtype=np.int64)
+            self._dirty[slots] = False
+            clock += k
+            out.extend(zip([ALLOCATED] * k, slots, strict=True))
+            i = j
+        self.clock = clock
+        self._stamp(touched, touched=True)
+        return out
+
+    def _touch_or_alloc_each(
+        self, page_hashes: Sequence[bytes], high_slots: int, collect: Callable[[], None]
+    ) -> list[tuple[int, int]]:
+        """:meth:`touch_or_alloc` page by page (a spill that lists a page twice)."""
         slot_of, page, writing, free = self._slot, self._page, self._writing, self._free
         get = slot_of.get
         out: list[tuple[int, int]] = []
@@ -270,17 +328,19 @@ class SlotPool:
     def remove_coldest(self, n: int) -> list[tuple[bytes, int, int]]:
         """Free the ``n`` least recently used live pages (:meth:`remove` each), coldest first;
         returns their ``(page hash, slot, last_access)``."""
-        coldest = self.coldest(n)
-        slots = [slot for _, slot in coldest]
-        lasts = self._last[slots].tolist()
-        pages, page = self._slot, self._page
-        for h, slot in coldest:
-            del pages[h]
-            page[slot] = None
-        self._last[slots] = _UNUSED
-        self._dirty[slots] = False
+        order = self._coldest_slots(n)
+        slots = order.tolist()
+        lasts = self._last[order].tolist()
+        page = self._page
+        hashes: list[bytes] = [page[s] for s in slots]  # type: ignore[misc]
+        for h in hashes:
+            del self._slot[h]
+        for s in slots:
+            page[s] = None
+        self._last[order] = _UNUSED
+        self._dirty[order] = False
         self._free += slots
-        return [(h, slot, last) for (h, slot), last in zip(coldest, lasts, strict=True)]
+        return list(zip(hashes, slots, lasts, strict=True))
 
     def remove(self, page_hash: bytes) -> int:
         """The page's index entries are (being) deleted: free its slot (returned)."""
