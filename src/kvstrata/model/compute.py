@@ -71,7 +71,27 @@ class Compute(Protocol):
         ...
 
 
-class ModelCompute:
+class _ModelForward:
+    """What every compute that runs a model shares: its KV needs a :class:`ForwardBatch`
+    (attention over the prefix, logits), and verification recomputes logits instead of keeping
+    the payload."""
+
+    def forward_pages(
+        self,
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        page_tables: Sequence[npt.NDArray[np.int64]],
+        tokens: npt.NDArray[np.uint32],
+        pool: DevicePool,
+        hooks: LayerHooks | None = None,
+    ) -> bool:
+        return False  # logits and attention need a ForwardBatch
+
+    def snapshot(self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int) -> None:
+        return None
+
+
+class ModelCompute(_ModelForward):
     """The reference decoder: its payloads per layer (K and V, or an MLA latent), last-token
     logits."""
 
@@ -94,22 +114,8 @@ class ModelCompute:
             input_ids, batch, pool, logits="all" if all_logits else "last", hooks=hooks
         )
 
-    def forward_pages(
-        self,
-        prefix_lens: Sequence[int],
-        extend_lens: Sequence[int],
-        page_tables: Sequence[npt.NDArray[np.int64]],
-        tokens: npt.NDArray[np.uint32],
-        pool: DevicePool,
-        hooks: LayerHooks | None = None,
-    ) -> bool:
-        return False  # logits and attention need a ForwardBatch
 
-    def snapshot(self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int) -> None:
-        return None
-
-
-class PairCompute:
+class PairCompute(_ModelForward):
     """A target model and its speculative draft, prefilled in the same forward on the same pages.
 
     The draft's payloads (``draft_k`` / ``draft_v``, or ``draft_kv_latent``) are on the target's
@@ -142,20 +148,6 @@ class PairCompute:
         draft = self.draft(input_ids, batch, pool, logits=mode, hooks=waits)
         target = self.target(input_ids, batch, pool, logits=mode, hooks=hooks)
         return torch.stack((target, draft), dim=-2)
-
-    def forward_pages(
-        self,
-        prefix_lens: Sequence[int],
-        extend_lens: Sequence[int],
-        page_tables: Sequence[npt.NDArray[np.int64]],
-        tokens: npt.NDArray[np.uint32],
-        pool: DevicePool,
-        hooks: LayerHooks | None = None,
-    ) -> bool:
-        return False  # logits and attention need a ForwardBatch
-
-    def snapshot(self, pool: DevicePool, pages: npt.NDArray[np.int64], num_tokens: int) -> None:
-        return None
 
 
 class _WaitsOnly:

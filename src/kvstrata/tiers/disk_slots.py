@@ -128,7 +128,7 @@ class SlotPool:
         """The ``n`` least recently used live pages ``(hash, slot)``, coldest first."""
         slots = self._coldest_slots(n).tolist()
         page = self._page
-        return [(page[s], s) for s in slots]  # type: ignore[misc]
+        return [(page[s], s) for s in slots]
 
     def _coldest_slots(self, n: int) -> np.ndarray:
         """The slots of the ``n`` least recently used live pages, coldest first (ties by slot),
@@ -332,7 +332,7 @@ class SlotPool:
         slots = order.tolist()
         lasts = self._last[order].tolist()
         page = self._page
-        hashes: list[bytes] = [page[s] for s in slots]  # type: ignore[misc]
+        hashes: list[bytes] = [page[s] for s in slots]
         for h in hashes:
             del self._slot[h]
         for s in slots:
