@@ -20,6 +20,7 @@ from kvstrata.tiers.disk_format import (
     aligned_buffer,
     check_slot,
     crc32c,
+    crc32c_many,
     probe_direct_io,
 )
 from kvstrata.tiers.disk_slots import SlotPool
@@ -204,3 +205,16 @@ def test_slot_pool_against_a_reference(ops: list[tuple[str, int]]) -> None:
     pool2.rebuild(pool.live())
     pool2.check()
     assert pool2.coldest(10) == pool.coldest(10) and pool2.num_used == len(live)
+
+
+@given(
+    data=st.binary(min_size=1, max_size=600),
+    regions=st.lists(st.tuples(st.integers(0, 599), st.integers(0, 64)), max_size=40),
+)
+def test_crc32c_many_is_a_crc32c_per_region(data: bytes, regions: list[tuple[int, int]]) -> None:
+    """The batched CRC equals one call per region (empty and clipped regions included)."""
+    view = memoryview(data)
+    for size in {n for _, n in regions} or {0}:
+        starts = [s for s, _ in regions]
+        got = crc32c_many(view, starts, size).tolist()
+        assert got == [crc32c(view[s : s + size]) for s in starts]

@@ -28,7 +28,7 @@ from .disk_format import (
     PAGE_MAGIC,
     SLOT_HEADER_BYTES,
     check_slot,
-    crc32c,
+    crc32c_many,
 )
 from .page_hash import FORMAT_VERSION
 
@@ -85,16 +85,11 @@ def check_slots(
     )
     view = staging.view
     starts = staging.slot_starts(idx, kind)
-    head_crc = np.fromiter(
-        (crc32c(view[s : s + _SLOT_HEAD.size]) for s in starts), dtype=np.uint32, count=n
-    )
-    ok &= head_crc == heads["head_crc"]
-    body = SLOT_HEADER_BYTES
-    payload_crc = heads["crc"]
-    for i in np.flatnonzero(ok).tolist():
-        s = starts[i]
-        if crc32c(view[s + body : s + body + payload_len]) != payload_crc[i]:
-            ok[i] = False
+    ok &= crc32c_many(view, starts, _SLOT_HEAD.size) == heads["head_crc"]
+    whole = np.flatnonzero(ok)  # the payloads of slots whose headers hold
+    if whole.size:
+        payload_crc = crc32c_many(view, starts[whole] + SLOT_HEADER_BYTES, payload_len)
+        ok[whole] = payload_crc == heads["crc"][whole]
     if ok.all():
         return [None] * n
     out: list[str | None] = [None] * n
@@ -112,25 +107,19 @@ def write_headers(
     n = len(page_hashes)
     if n == 0:
         return
-    view = staging.view
     idx = _index(blocks)
     starts = staging.slot_starts(idx, kind)
-    body = SLOT_HEADER_BYTES
     heads = np.zeros(n, dtype=HEAD_DTYPE)
     heads["magic"] = PAGE_MAGIC
     heads["version"] = FORMAT_VERSION
     heads["kind"] = kind
     heads["hash"] = _hashes(page_hashes)
     heads["length"] = payload_len
-    heads["crc"] = np.fromiter(
-        (crc32c(view[s + body : s + body + payload_len]) for s in starts), np.uint32, count=n
-    )
+    heads["crc"] = crc32c_many(staging.view, starts + SLOT_HEADER_BYTES, payload_len)
     raw = heads.view(np.uint8).reshape(n, SLOT_HEADER_BYTES)
     head = memoryview(raw.tobytes())
-    size = _SLOT_HEAD.size
-    heads["head_crc"] = np.fromiter(
-        (crc32c(head[i * body : i * body + size]) for i in range(n)), np.uint32, count=n
-    )
+    at = np.arange(n, dtype=np.int64) * SLOT_HEADER_BYTES
+    heads["head_crc"] = crc32c_many(head, at, _SLOT_HEAD.size)
     staging.rows(kind)[idx, :SLOT_HEADER_BYTES] = raw
 
 

@@ -64,9 +64,9 @@ class Staging:
         """Where the slot of ``kind`` in ``block`` starts in :attr:`view`."""
         return block * self.block_bytes + self.offsets[kind]
 
-    def slot_starts(self, blocks: npt.NDArray[np.int64], kind: int) -> list[int]:
+    def slot_starts(self, blocks: npt.NDArray[np.int64], kind: int) -> npt.NDArray[np.int64]:
         """:meth:`slot_start` of each of ``blocks`` (one array operation)."""
-        return (blocks * self.block_bytes + self.offsets[kind]).tolist()
+        return blocks * self.block_bytes + self.offsets[kind]
 
     def slot(self, block: int, kind: int) -> memoryview:
         return self._views[kind][block]
