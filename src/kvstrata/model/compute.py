@@ -272,7 +272,6 @@ class SyntheticCompute:
             return None
         # Only the row of each request's last cached token is read: the work grows with the
         # tokens computed, not with the requests' contexts.
-        top = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens, strict=True))
         if pool.device.type == "cpu":
             assert batch.page_table is not None and batch.table_starts is not None
             table = batch.page_table.numpy()
@@ -285,6 +284,7 @@ class SyntheticCompute:
                 pool,
             )
         else:
+            top = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens, strict=True))
             self._forward_device(input_ids, batch, pool, self._weights(top, pool.device))
         if hooks is not None:
             hooks.after_layer(0)
@@ -374,8 +374,8 @@ class SyntheticCompute:
     def _host_weights(self, num_positions: int) -> npt.NDArray[np.uint32]:
         """:meth:`_weights` on the CPU as ``uint32`` (every weight is below 2**31)."""
         if self._host_table.size < num_positions:
-            self._host_table = self._weights(num_positions, torch.device("cpu")).numpy()
-            self._host_table = self._host_table.astype(np.uint32)
+            table = self._weights(num_positions, torch.device("cpu"))
+            self._host_table = table.numpy().astype(np.uint32)
         return self._host_table
 
     def _host_rows(self, pool: DevicePool) -> npt.NDArray[np.uint8]:

@@ -146,7 +146,7 @@ class SlotPool:
             cand = np.concatenate((below, np.flatnonzero(last == kth)[: n - below.size]))
         else:
             cand = np.arange(n)
-        return cand[np.lexsort((cand, last[cand]))]
+        return self._order(cand)  # every candidate live: its clock in the array is its key
 
     def dirty_pages(self) -> dict[bytes, int]:
         """``page hash -> slot`` of the pages touched since their index entry was written."""
