@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvstrata.errors import DiskFormatError, PoolInvariantError
@@ -168,10 +168,13 @@ def test_slot_pool_pages_loaded_with_one_clock_go_by_slot() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from("aptrx"), st.integers(0, 9)), max_size=80))
+@given(ops=st.lists(st.tuples(st.sampled_from("aptmrx"), st.integers(0, 9)), max_size=80))
+@example(ops=[("a", 0), ("p", 0), ("a", 1), ("p", 1), ("a", 2), ("p", 2), ("m", 1), ("m", 2)])
 def test_slot_pool_against_a_reference(ops: list[tuple[str, int]]) -> None:
     """Random alloc / publish / touch / remove / release against a list-based LRU: a page takes
-    its place when allocated; only live pages are touched or picked."""
+    its place when allocated; only live pages are touched or picked. Touches by slot with a
+    slot given twice (``m``) put it at its later place; ``held_slots`` and ``holds`` agree with
+    the reference after every step."""
     pool = SlotPool(5)
     order: list[bytes] = []  # every used slot's page, least recently used first
     live: set[bytes] = set()
@@ -191,6 +194,11 @@ def test_slot_pool_against_a_reference(ops: list[tuple[str, int]]) -> None:
             pool.touch(h)
             order.remove(h)
             order.append(h)
+        elif op == "m" and h in live and (h2 := min(live - {h}, default=None)) is not None:
+            pool.touch_slots([slots[h], slots[h2], slots[h]])
+            for page in (h2, h):
+                order.remove(page)
+                order.append(page)
         elif op == "r" and h in live:
             assert pool.remove(h) == slots.pop(h)
             live.remove(h)
@@ -201,6 +209,13 @@ def test_slot_pool_against_a_reference(ops: list[tuple[str, int]]) -> None:
         pool.check()
         assert [h for h, _ in pool.coldest(10)] == [h for h in order if h in live]
         assert pool.num_writing == len(slots) - len(live)
+        every = [bytes([i]) for i in range(10)]
+        assert pool.held_slots(every) == [slots.get(p) for p in every]
+        held = sorted(slots)
+        assert pool.holds(held, [slots[p] for p in held]) == [p in live for p in held]
+        if len(held) > 1:  # each page against another's slot
+            shifted = [slots[p] for p in held[1:] + held[:1]]
+            assert pool.holds(held, shifted) == [False] * len(held)
     pool2 = SlotPool(5)
     pool2.rebuild(pool.live())
     pool2.check()

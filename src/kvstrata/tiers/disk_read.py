@@ -11,7 +11,8 @@ slot. Up to ``2 * read_threads`` runs are in flight, so the disk always has the 
 queued while earlier runs are checked and copied, all off the caller's thread. An I/O error in a
 run reads its slots one at a time, so that only the pages that fail are lost.
 
-Where each page is comes from the store's slot pool (``locate``: no index read; a read-only
+Where each page is comes from the store's slot pool (the slots the store found when the reload
+was asked for, or ``locate``: no index read; a read-only
 :class:`~kvstrata.tiers.disk_view.DiskView` asks the index instead). A page that no longer holds
 its slot after the read was dropped by GC meanwhile, which is counted as a ``read_race`` without
 a warning. A slot that still belongs to its page but fails its check is a verify failure, dropped.
@@ -131,16 +132,22 @@ class PageReader:
         return 2 * read_threads * run_pages * page_bytes
 
     def read(
-        self, hashes: Sequence[bytes], host_pool: HostPool, host_slots: Sequence[int]
+        self,
+        hashes: Sequence[bytes],
+        host_pool: HostPool,
+        host_slots: Sequence[int],
+        where: Sequence[int | None] | None = None,
     ) -> list[bool]:
-        """``DiskStore.read``: one read at a time; another waits at most ``io_timeout_s``."""
+        """``DiskStore.read``: one read at a time; another waits at most ``io_timeout_s``.
+        ``where``: each page's slot as the caller found it (None where absent), instead of
+        asking ``locate``; a page that lost that slot since fails the check after the read."""
         ok = [False] * len(hashes)
         if not self._read_lock.acquire(timeout=self.io_timeout_s):
             self._warn.warn("read", "a read waited too long for another one; reported as misses")
             self.counters.add(read_errors=len(hashes))
             return ok
         try:
-            self._read_locked(hashes, host_pool, host_slots, ok)
+            self._read_locked(hashes, host_pool, host_slots, ok, where)
         finally:
             self._read_lock.release()
         return ok
@@ -154,13 +161,14 @@ class PageReader:
         host_pool: HostPool,
         host_slots: Sequence[int],
         ok: list[bool],
+        where: Sequence[int | None] | None,
     ) -> None:
         # A page the writer has not published yet is read once it has (or failed: a miss).
         if self._wait_written is not None and not self._wait_written(hashes):
             self._warn.warn("read", "a read waited too long for pages being written")
-        found: list[int | None] = []
+        found: Sequence[int | None] = []
         try:
-            found = self._locate(hashes)
+            found = self._locate(hashes) if where is None else where
         except lmdb.Error as err:  # a damaged index: misses, counted, never a crash
             self.counters.add(index_errors=1)
             self._warn.warn("index", f"cannot read the disk index: {err}")

@@ -89,6 +89,20 @@ class SlotPool:
             return list(map(get, page_hashes))
         return [None if h in writing else get(h) for h in page_hashes]
 
+    def held_slots(self, page_hashes: Sequence[bytes]) -> list[int | None]:
+        """The slot of each of ``page_hashes`` that is live or being written (None where
+        absent): one dict lookup a page, no Python step."""
+        return list(map(self._slot.get, page_hashes))
+
+    def holds(self, page_hashes: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """Whether each page is live at its slot (``slot_of(page_hashes[i]) == slots[i]``),
+        from the slot -> page list, not the page -> slot dict: a list index a page."""
+        found = list(map(self._page.__getitem__, slots))
+        writing = self._writing
+        if found == list(page_hashes) and (not writing or writing.isdisjoint(page_hashes)):
+            return [True] * len(found)
+        return [f == h and h not in writing for f, h in zip(found, page_hashes, strict=True)]
+
     def any_writing(self, page_hashes: Sequence[bytes]) -> bool:
         """Whether any of ``page_hashes`` is being written."""
         writing = self._writing
@@ -209,11 +223,22 @@ class SlotPool:
     def touch_many(self, page_hashes: Iterable[bytes]) -> None:
         """:meth:`touch` of each of ``page_hashes`` in order (a page given twice takes the later
         place)."""
-        get = self._slot.get
-        found = [s for s in map(get, page_hashes) if s is not None]
-        if found:
-            self._stamp({s: i for i, s in enumerate(found, self.clock + 1)}, touched=True)
-            self.clock += len(found)
+        self.touch_slots([s for s in map(self._slot.get, page_hashes) if s is not None])
+
+    def touch_slots(self, slots: Sequence[int]) -> None:
+        """:meth:`touch_many` of the pages at ``slots`` (each held), in order: clocks as one
+        array when no slot repeats (the usual case), else a slot given twice takes the later
+        place."""
+        n = len(slots)
+        if n == 0:
+            return
+        idx = np.asarray(slots, dtype=np.int64)
+        if np.unique(idx).size == n:
+            self._last[idx] = np.arange(self.clock + 1, self.clock + 1 + n, dtype=np.int64)
+            self._dirty[idx] = True
+        else:
+            self._stamp({s: i for i, s in enumerate(slots, self.clock + 1)}, touched=True)
+        self.clock += n
 
     def _stamp(self, clocks: dict[int, int], touched: bool) -> None:
         """Set ``last_access`` of slots (``slot -> clock``), marked as accessed since their index

@@ -70,6 +70,7 @@ class _ReloadJob:
     hashes: list[bytes]
     host_pool: HostPool
     host_slots: list[int]
+    where: list[int | None]  # each page's slot when the reload was asked for (None: absent)
 
 
 #: The most pages the staging holds (its byte budget bounds it first for pages over 4 KiB).
@@ -366,10 +367,7 @@ class DiskStore:
     def _holds(self, page_hashes: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
         """The reader's check after a read: each page still holds its slot in the pool."""
         with self._state_lock:
-            found = self.pool.slots_of(page_hashes)
-        if found == list(slots):
-            return [True] * len(found)
-        return [f == s for f, s in zip(found, slots, strict=True)]
+            return self.pool.holds(page_hashes, slots)
 
     def touch(self, page_hashes: Sequence[bytes]) -> None:
         """Mark pages recently used (GC takes the least recently used first), at once: the
@@ -415,8 +413,12 @@ class DiskStore:
         if not self._take_ticket(reload=True):
             return False
         self.counters.add(reloads=1)
-        self.touch(page_hashes)  # accessed now, in call order, not when the read gets to it
-        self._reloads.put_nowait(_ReloadJob(ticket, list(page_hashes), host_pool, slots))
+        # Where each page is, and accessed now, in call order, not when the read gets to it:
+        # one look at the pool for both (a page being written is read once it is written).
+        with self._state_lock:
+            where = self.pool.held_slots(page_hashes)
+            self.pool.touch_slots([s for s in where if s is not None])
+        self._reloads.put_nowait(_ReloadJob(ticket, list(page_hashes), host_pool, slots, where))
         return True
 
     def _reload_loop(self) -> None:
@@ -428,7 +430,7 @@ class DiskStore:
                     return
                 continue
             ok = (
-                self._reader.read(job.hashes, job.host_pool, job.host_slots)
+                self._reader.read(job.hashes, job.host_pool, job.host_slots, job.where)
                 if not self._spill.stop.is_set()
                 else [False] * len(job.hashes)
             )
