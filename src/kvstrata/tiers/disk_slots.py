@@ -84,10 +84,11 @@ class SlotPool:
 
     def slots_of(self, page_hashes: Sequence[bytes]) -> list[int | None]:
         """:meth:`slot_of` of each of ``page_hashes``."""
-        get, writing = self._slot.get, self._writing
+        writing = self._writing
+        held = self.held_slots(page_hashes)
         if not writing:
-            return list(map(get, page_hashes))
-        return [None if h in writing else get(h) for h in page_hashes]
+            return held
+        return [None if h in writing else s for h, s in zip(page_hashes, held, strict=True)]
 
     def held_slots(self, page_hashes: Sequence[bytes]) -> list[int | None]:
         """The slot of each of ``page_hashes`` that is live or being written (None where
