@@ -173,8 +173,8 @@ def test_slot_pool_pages_loaded_with_one_clock_go_by_slot() -> None:
 def test_slot_pool_against_a_reference(ops: list[tuple[str, int]]) -> None:
     """Random alloc / publish / touch / remove / release against a list-based LRU: a page takes
     its place when allocated; only live pages are touched or picked. Touches by slot with a
-    slot given twice (``m``) put it at its later place; ``held_slots`` and ``holds`` agree with
-    the reference after every step."""
+    slot given twice (``m``) put it at its later place; ``held_slots``, ``leading`` and ``holds``
+    agree with the reference after every step."""
     pool = SlotPool(5)
     order: list[bytes] = []  # every used slot's page, least recently used first
     live: set[bytes] = set()
@@ -211,6 +211,9 @@ def test_slot_pool_against_a_reference(ops: list[tuple[str, int]]) -> None:
         assert pool.num_writing == len(slots) - len(live)
         every = [bytes([i]) for i in range(10)]
         assert pool.held_slots(every) == [slots.get(p) for p in every]
+        lead = next((i for i, p in enumerate(every) if p not in slots), len(every))
+        assert pool.leading(every) == [slots[p] for p in every[:lead]]
+        assert pool.leading(sorted(slots)) == [slots[p] for p in sorted(slots)]
         held = sorted(slots)
         assert pool.holds(held, [slots[p] for p in held]) == [p in live for p in held]
         if len(held) > 1:  # each page against another's slot

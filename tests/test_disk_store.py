@@ -220,6 +220,42 @@ def test_reload_runs_on_the_reader_thread(tmp_path: Path) -> None:
         assert read_page(dst, 12) == expected_page(dst, pages[2])
 
 
+def test_reload_after_a_lookup_reads_from_its_slots_and_misses_a_page_moved_since(
+    tmp_path: Path,
+) -> None:
+    """A reload of the pages a lookup just found starts from that lookup's slots (no second
+    look at the pool); a page that lost its slot in between (a drop) reads as a miss, and a
+    page now in another page's slot is never served as the page asked for."""
+    pool, dst = host_pool(), host_pool()
+    pages = hashes(6)
+    with open_store(tmp_path) as store:
+        spill_all(store, pool, pages, ticket=1)
+        assert store.lookup(pages) == 6
+        assert store._looked is not None and store._looked[1] == store.pool.held_slots(pages)
+        assert store.reload(2, pages[:4], dst, [10, 11, 12, 13])  # a prefix of the lookup's
+        assert store._looked is None  # used once
+        assert store.flush(30)
+        assert store.poll().reloaded[0].ok == (True,) * 4
+        assert all(read_page(dst, 10 + i) == expected_page(dst, h) for i, h in enumerate(pages[:4]))
+        # A page dropped between the lookup and the reload: its slot holds no page any more.
+        assert store.lookup(pages) == 6
+        with store._state_lock:
+            store.pool.remove(pages[1])
+        before = read_page(dst, 21)
+        assert store.reload(3, pages[:3], dst, [20, 21, 22])
+        assert store.flush(30)
+        assert store.poll().reloaded[0].ok[:2] == (True, False)
+        assert read_page(dst, 21) == before  # never written
+        assert store.stats().pages_read >= 5
+        # The lookup's pages given in another order: looked up again, read right.
+        assert store.lookup(pages[2:4]) == 2
+        assert store.reload(4, [pages[3], pages[2]], dst, [30, 31])
+        assert store.flush(30)
+        assert store.poll().reloaded[0].ok == (True, True)
+        assert read_page(dst, 30) == expected_page(dst, pages[3])
+        assert read_page(dst, 31) == expected_page(dst, pages[2])
+
+
 def test_clear_starts_empty_and_load_keeps_pages_and_lru(tmp_path: Path) -> None:
     pool, dst = host_pool(), host_pool()
     cold, warm = hashes(6, seed=1), hashes(6, seed=2)

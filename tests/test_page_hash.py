@@ -101,6 +101,31 @@ def test_the_prefix_hasher_gives_the_chain_whatever_it_kept(
         PrefixHasher(NS, sequences=0)
 
 
+def test_a_session_keeps_one_sequence_and_hashes_only_its_new_pages() -> None:
+    """Turns of interleaved sessions, each the last turn plus new tokens: a turn replaces the
+    kept turn it extends (whose every fingerprint it has), so the hasher keeps one sequence a
+    session, and however many sessions run, each turn hashes only its new pages; a turn that
+    branches off an earlier one keeps both."""
+    rng = np.random.default_rng(1)
+    sessions = 6
+    hasher = PrefixHasher(NS, sequences=sessions)  # room for one sequence a session, no more
+    turns = [rng.integers(0, 2**32, 8, dtype=np.uint64).astype(np.uint32) for _ in range(sessions)]
+    for step in range(5):
+        for s in range(sessions):
+            new = rng.integers(0, 2**32, 4 * (s + 1), dtype=np.uint64).astype(np.uint32)
+            longer = np.concatenate([turns[s], new])
+            hashed = hasher.pages_hashed
+            assert hasher(longer) == _reference(NS, longer.tolist()), (step, s)
+            if step:  # the earlier turn's pages all came from its chain
+                assert hasher.pages_hashed - hashed == len(longer) // 4 - len(turns[s]) // 4
+            turns[s] = longer
+        assert len(hasher._kept) == sessions
+    branch = np.concatenate([turns[0][:12], np.arange(8, dtype=np.uint32)])
+    assert hasher(branch) == _reference(NS, branch.tolist())
+    assert hasher(turns[0]) == _reference(NS, turns[0].tolist())
+    assert len(hasher._kept) == sessions  # the branch did not replace the turn it left
+
+
 def test_every_namespace_field_changes_the_digest() -> None:
     variants = [
         dataclasses.replace(NS, model_id="qwen"),

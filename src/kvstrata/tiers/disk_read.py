@@ -30,7 +30,7 @@ import concurrent.futures
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import lmdb
 
@@ -172,13 +172,13 @@ class PageReader:
         except lmdb.Error as err:  # a damaged index: misses, counted, never a crash
             self.counters.add(index_errors=1)
             self._warn.warn("index", f"cannot read the disk index: {err}")
-        slots: list[int] = []
-        for slot in found:
-            if slot is None:
-                break
-            slots.append(slot)
+        # The pages up to the first absent one (no Python step a page: a reload has thousands).
+        lead = found.index(None) if None in found else len(found)
+        slots = cast("list[int]", list(found[:lead]))
         self.counters.add(read_misses=len(hashes) - len(slots))
-        bad = next((i for i, s in enumerate(slots) if not 0 <= s < self.num_slots), None)
+        bad = None
+        if slots and (min(slots) < 0 or max(slots) >= self.num_slots):
+            bad = next(i for i, s in enumerate(slots) if not 0 <= s < self.num_slots)
         if bad is not None:  # an entry past the slab (another process's, or corrupt): a miss
             past = f"slot {slots[bad]} past the slab's {self.num_slots}"
             self._failed_read(hashes[bad], slots[bad], "verify_failures", past)

@@ -193,6 +193,8 @@ class DiskStore:
         )
         self._reload_thread.start()
         self._open_tickets = 0  # submitted and not yet returned by poll()
+        #: The last lookup's leading pages and their slots, until the next call
+        self._looked: tuple[list[bytes], list[int]] | None = None
 
     # -- spill -----------------------------------------------------------------------------------
 
@@ -258,6 +260,7 @@ class DiskStore:
         ``spilled`` when every page is durable, failed, or skipped (hits < ``min_hits``).
         """
         self._raise_crash()
+        self._looked = None  # a plan may move pages: no reload starts from an older lookup
         self._check_hashes([h for h, _, _ in pages])
         self._check_host_pool(host_pool, [slot for _, slot, _ in pages])
         if not self._take_ticket(reload=False):
@@ -353,10 +356,15 @@ class DiskStore:
         the index's pages (rebuilt from it at start, changed only after the index commits) plus
         the plans, so no slab or index I/O. A read still confirms each page with the index."""
         self._check_hashes(page_hashes)
+        self._looked = None
         if self._closed or self._index is None:
             return 0
         with self._state_lock:
-            return self.pool.leading(page_hashes)
+            slots = self.pool.leading(page_hashes)
+        # A reload of these pages that follows at once (DiskTier.try_reload) starts from these
+        # slots instead of looking every page up again.
+        self._looked = (list(page_hashes[: len(slots)]), slots)
+        return len(slots)
 
     def _locate(self, page_hashes: Sequence[bytes]) -> list[int | None]:
         """The reader's look at the slot pool: each live page's slot (None where absent or
@@ -408,7 +416,13 @@ class DiskStore:
         self._raise_crash()
         if len(page_hashes) != len(host_slots):
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
-        self._check_hashes(page_hashes)
+        hashes, looked, self._looked = list(page_hashes), self._looked, None
+        # The pages the last lookup found (its hashes checked then), or some of the first: their
+        # slots as it found them. A slot that changed hands since fails the read's check after
+        # the read (``holds``): a miss, never another page's bytes.
+        known = looked is not None and looked[0][: len(hashes)] == hashes
+        if not known:
+            self._check_hashes(hashes)
         slots = self._check_host_pool(host_pool, host_slots, distinct=True)
         if not self._take_ticket(reload=True):
             return False
@@ -416,9 +430,11 @@ class DiskStore:
         # Where each page is, and accessed now, in call order, not when the read gets to it:
         # one look at the pool for both (a page being written is read once it is written).
         with self._state_lock:
-            where = self.pool.held_slots(page_hashes)
+            where: list[int | None] = (
+                [*looked[1][: len(hashes)]] if known and looked else self.pool.held_slots(hashes)
+            )
             self.pool.touch_slots([s for s in where if s is not None])
-        self._reloads.put_nowait(_ReloadJob(ticket, list(page_hashes), host_pool, slots, where))
+        self._reloads.put_nowait(_ReloadJob(ticket, hashes, host_pool, slots, where))
         return True
 
     def _reload_loop(self) -> None:

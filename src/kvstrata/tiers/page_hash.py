@@ -146,7 +146,10 @@ class PrefixHasher:
     tokens, one pass): the longest fingerprint of a new sequence that a kept one has names the
     candidate. At most ``sequences`` are kept, and ``max_tokens`` of their tokens (64 MiB at the
     default: the last one is kept whatever its length), least recently used dropped first (256: on
-    ``agentic:0:1000`` 68 % of the pages came from a chain, 41 % with 64)."""
+    ``agentic:0:1000`` 68 % of the pages came from a chain, 41 % with 64). A sequence that
+    extends a kept one (a conversation's next turn) replaces it: the new one has every
+    fingerprint the old one had, so a session takes one place, not one a turn (on
+    ``agentic:0:3000`` pages hashed 2.47 M -> 0.85 M of 8.68 M, the new ones 0.74 M)."""
 
     def __init__(
         self, namespace: Namespace, sequences: int = 256, max_tokens: int = 1 << 24
@@ -187,7 +190,7 @@ class PrefixHasher:
             return []
         words = words[: num_pages * P]
         prints = self._fingerprints(words, num_pages)
-        shared, chain = 0, None
+        shared, chain, subsumed = 0, None, None
         for fp in reversed(prints):
             seq = self._by_prefix.get(fp)
             if seq is not None:
@@ -196,6 +199,8 @@ class PrefixHasher:
                 n = min(seen.size, words.size)
                 differ = np.flatnonzero(seen[:n] != words[:n])
                 shared = (int(differ[0]) if differ.size else n) // P
+                if not differ.size and seen.size <= words.size:
+                    subsumed = seq  # all of it starts this one (a conversation's next turn)
                 break
         out = chain[:shared] if chain is not None else []
         if num_pages > shared:
@@ -203,6 +208,8 @@ class PrefixHasher:
             out = out + page_hashes(self.namespace, words[shared * P :], parent=parent)
         self.pages_hashed += num_pages - shared
         self.pages_reused += shared
+        if subsumed is not None:  # the new sequence finds whatever the old one would
+            self._forget(subsumed)
         self._keep(words.copy(), out, prints)  # copies: the caller may change its array or list
         return list(out)
 
@@ -215,8 +222,11 @@ class PrefixHasher:
         while len(self._kept) > self.sequences or (
             self._kept_tokens > self.max_tokens and len(self._kept) > 1
         ):
-            old, (old_words, _, old_prints) = self._kept.popitem(last=False)
-            self._kept_tokens -= old_words.size
-            for fp in old_prints:
-                if self._by_prefix.get(fp) == old:
-                    del self._by_prefix[fp]
+            self._forget(next(iter(self._kept)))
+
+    def _forget(self, seq: int) -> None:
+        words, _, prints = self._kept.pop(seq)
+        self._kept_tokens -= words.size
+        for fp in prints:
+            if self._by_prefix.get(fp) == seq:
+                del self._by_prefix[fp]
