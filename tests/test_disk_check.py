@@ -222,3 +222,26 @@ def test_fix_beside_a_starting_store_touches_nothing_of_its_group(
     index = DiskIndex(index_dir(root, NS.digest, 0))
     assert sum(1 for _ in index.items()) == len(PAGES) * 3  # every entry still there
     index.close()
+
+
+def test_index_deletes_only_the_entries_that_still_name_the_page(tmp_path: Path) -> None:
+    """``DiskIndex.delete_pages`` (GC's and a drop's deletes) removes a slot's entries only where
+    they name that page (and rank, when given): another page's entries at the slot, another
+    rank's, and a value of a foreign length stay, byte for byte."""
+    index = DiskIndex(tmp_path / "index")
+    a, b, c = hashes(3, seed=7)
+    index.put_pages(NS.digest, 0, [(a, 1, 5), (b, 2, 6)], 2)
+    index.put_pages(NS.digest, 1, [(c, 3, 7)], 2)
+    odd = encode_key(NS.digest, 4, 0)
+    with index.env.begin(write=True, db=index._pages) as txn:
+        txn.put(odd, a + b"\0")  # not a value of this format
+    before = dict(index.items(NS.digest))
+    index.delete_pages(NS.digest, [(b, 1), (a, 3), (a, 4), (c, 3)], 2, rank=0)
+    assert dict(index.items(NS.digest)) == before  # nothing named those pages at those slots
+    index.delete_pages(NS.digest, [(a, 1), (c, 3)], 2, rank=0)  # c is rank 1's
+    after = dict(index.items(NS.digest))
+    assert set(before) - set(after) == {encode_key(NS.digest, 1, k) for k in range(2)}
+    assert all(after[k] == v for k, v in before.items() if k in after)
+    index.delete_pages(NS.digest, [(c, 3), (b, 2)], 2)  # any rank
+    assert set(index.items(NS.digest)) == {(odd, a + b"\0")}
+    index.close()

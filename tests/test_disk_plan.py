@@ -19,7 +19,7 @@ def reference_plan(planner: SpillPlanner, job: SpillJob, dirty: dict[bytes, int]
     pool = planner.pool
     written = 0
     batch: list[tuple[bytes, int, int]] = []
-    for h, host_slot in job.pages:
+    for h, host_slot in zip(job.hashes, job.host_slots, strict=True):
         if (found := pool.touch(h)) is not None:
             dirty[h] = found[0]
             if pool.writing_slot(h) is None:
@@ -78,7 +78,8 @@ def test_the_one_loop_plan_is_the_page_by_page_plan(
     for ticket, (pages, publish) in enumerate(spills):
         jobs = []
         for p in (new, old):
-            job = SpillJob(ticket, [(bytes([n]) * 32, i) for i, n in enumerate(pages)], None, [])  # type: ignore[arg-type]
+            hashes = [bytes([n]) * 32 for n in pages]
+            job = SpillJob(ticket, hashes, list(range(len(pages))), None, [])  # type: ignore[arg-type]
             if p is new:
                 p.plan(job)
             else:

@@ -11,8 +11,11 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from itertools import groupby
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .disk_plan import SpillJob
@@ -139,21 +142,28 @@ class Events:
             self._maybe_done(job)
             self.cond.notify_all()
 
-    def pages_done(self, pages: list[tuple[SpillJob, bytes]], ok: bool) -> None:
-        """Pages ``(job, page hash)`` are durable (``ok``) or failed."""
+    def pages_done(self, pages: Sequence[tuple[Any, ...]], ok: bool) -> None:
+        """Pages ``(job, page hash, ...)`` (a ``Staged`` each) are durable (``ok``) or failed;
+        a job's pages that come together are recorded together."""
         with self.cond:
-            for job, page_hash in pages:
-                (job.durable if ok else job.failed).append(page_hash)
-                job.pending -= 1
+            for job, group in groupby(pages, key=itemgetter(0)):
+                done = list(map(itemgetter(1), group))
+                (job.durable if ok else job.failed).extend(done)
+                job.pending -= len(done)
                 self._maybe_done(job)
             self.cond.notify_all()
 
     def _maybe_done(self, job: SpillJob) -> None:
         if job.released and job.pending == 0:
-            order = {h: i for i, (h, _) in enumerate(job.pages)}  # report in spill order
-            durable, failed = (
-                tuple(sorted(x, key=order.__getitem__)) for x in (job.durable, job.failed)
-            )
+            durable: tuple[bytes, ...]
+            failed: tuple[bytes, ...]
+            if not job.failed and job.durable == job.hashes:  # every page, landed in order
+                durable, failed = tuple(job.durable), ()
+            else:  # report in spill order
+                order = {h: i for i, h in enumerate(job.hashes)}
+                durable, failed = (
+                    tuple(sorted(x, key=order.__getitem__)) for x in (job.durable, job.failed)
+                )
             done = SpillDone(job.ticket, durable, failed, tuple(job.skipped))
             self.spilled.append(done)
             self.running -= 1

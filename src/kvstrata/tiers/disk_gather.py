@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import NamedTuple
+from collections.abc import Callable
+from functools import partial
+from itertools import repeat
+from typing import NamedTuple, cast
 
 from .disk_batch import from_host, write_headers
 from .disk_buffers import HostPages, Staging, host_pages
@@ -40,6 +43,12 @@ class Chunk(NamedTuple):
 
     pages: list[Staged]
 
+
+#: ``Staged`` from a ``(job, page hash, slot, block)`` tuple, the loop in C (a namedtuple's own
+#: constructor is a Python call a page: a quarter of the gather thread's time on small pages).
+_staged = cast(
+    "Callable[[tuple[SpillJob, bytes, int, int | None]], Staged]", partial(tuple.__new__, Staged)
+)
 
 #: Bytes of staged pages the gather thread hands on at a time (fewer, larger writer steps).
 CHUNK_BYTES = 8 << 20
@@ -117,11 +126,14 @@ class Gatherer:
 
     def _gather(self, job: SpillJob) -> None:
         self.staged.put_nowait(Begin(job))
-        writes = sum(1 for batch in job.batches for *_, slot in batch if slot >= 0)
+        writes = sum(map(len, job.batches)) - job.rewrites
         pages = host_pages(job.host_pool) if writes else None
         copied = 0
         spare: list[int] = []  # blocks taken for the chunk's next pages, last one first
         for batch in job.batches:
+            if not job.rewrites:  # every page of the batch to write: a chunk at a time
+                copied = self._gather_batch(job, batch, pages, copied, writes)
+                continue
             chunk: list[Staged] = []
             # the pages of ``chunk`` copied to staging together: (block, host slot, hash)
             blocks: list[int] = []
@@ -159,6 +171,37 @@ class Gatherer:
             self.staged.put_nowait(Commit(job))
         if not job.released:
             self.events.release(job)
+
+    def _gather_batch(
+        self,
+        job: SpillJob,
+        batch: list[tuple[bytes, int, int]],
+        pages: HostPages | None,
+        copied: int,
+        writes: int,
+    ) -> int:
+        """:meth:`_gather`'s loop for a batch of pages that are all to be written, a chunk at a
+        time without a Python step a page: the same chunks, copies and events, in the same
+        order. Returns the pages handled so far."""
+        step = self.chunk_pages
+        for start in range(0, len(batch), step):
+            hashes, host_slots, slots = zip(*batch[start : start + step], strict=True)
+            n = len(hashes)
+            blocks: list[int] = []
+            while len(blocks) < n and not self.stop.is_set():
+                got = self.staging.acquire_many(n - len(blocks), self.stop)
+                if not got:
+                    break
+                blocks += got
+            k = len(blocks)  # fewer only once the store is closing: the rest are not copied
+            self._copy(pages, blocks, list(host_slots[:k]), list(hashes[:k]))
+            copied += n
+            if copied == writes:
+                self.events.release(job)  # before the last page reaches the writer
+            held: list[int | None] = [*blocks, *([None] * (n - k))]
+            self.staged.put_nowait(Chunk(list(map(_staged, zip(repeat(job), hashes, slots, held)))))
+        self.staged.put_nowait(Commit(job))
+        return copied
 
     def _copy(
         self,

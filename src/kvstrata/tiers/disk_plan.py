@@ -43,7 +43,8 @@ class SpillJob:
     """One spill ticket: its pages, its plan, and where each page ended."""
 
     ticket: int
-    pages: list[tuple[bytes, int]]  # (page hash, host slot) admitted, in spill order
+    hashes: list[bytes]  # the pages admitted, in spill order
+    host_slots: list[int]  # where each is in the host pool
     host_pool: HostPool
     skipped: list[bytes]  # under min_hits
     # The plan: (page hash, host slot, disk slot) to write, in batches; disk slot -1 for a page
@@ -53,6 +54,7 @@ class SpillJob:
     durable: list[bytes] = field(default_factory=list)
     failed: list[bytes] = field(default_factory=list)
     pending: int = 0  # planned pages not finished
+    rewrites: int = 0  # planned pages an earlier write brings to disk (disk slot -1)
     released: bool = False
 
 
@@ -79,16 +81,16 @@ class SpillPlanner:
         durable pages (those on disk already) and failed ones (no slot even after GC)."""
         present = full = written = 0
         batch: list[tuple[bytes, int, int]] = []
-        fates = self.pool.touch_or_alloc(
-            [h for h, _ in job.pages], self.high_slots, lambda: self._collect(job)
+        fates, slots = self.pool.touch_or_alloc(
+            job.hashes, self.high_slots, lambda: self._collect(job)
         )
-        if [fate for fate, _ in fates].count(ALLOCATED) == len(fates):  # the usual spill
-            rows = [(h, host, slot) for (h, host), (_, slot) in zip(job.pages, fates, strict=True)]
+        if fates is None:  # the usual spill: every page allocated
+            rows = list(zip(job.hashes, job.host_slots, slots, strict=True))
             step = self.batch_pages
             job.batches = [rows[i : i + step] for i in range(0, len(rows), step)]
             job.pending = len(rows)
             return
-        for (h, host_slot), (fate, slot) in zip(job.pages, fates, strict=True):
+        for h, host_slot, fate, slot in zip(job.hashes, job.host_slots, fates, slots, strict=True):
             if fate == ALLOCATED:
                 batch.append((h, host_slot, slot))
                 written += 1
@@ -100,6 +102,7 @@ class SpillPlanner:
                 job.durable.append(h)
             elif fate == WRITING:  # in flight: as durable as that write
                 present += 1
+                job.rewrites += 1
                 batch.append((h, host_slot, -1))
             else:
                 full += 1

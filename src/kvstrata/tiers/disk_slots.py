@@ -22,12 +22,20 @@ its victims with one partial sort of the clocks when it runs.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 
 import numpy as np
 
 from ..errors import PoolInvariantError
+
+
+def _each(calls: Iterable[None]) -> None:
+    """Run a ``map`` of calls made for their effect (``page.__setitem__`` over slots): the loop
+    in C, not a Python step a page."""
+    deque(calls, maxlen=0)
+
 
 #: What :meth:`SlotPool.touch_or_alloc` did with a page.
 LIVE, WRITING, ALLOCATED, FULL = range(4)
@@ -255,11 +263,12 @@ class SlotPool:
 
     def touch_or_alloc(
         self, page_hashes: Sequence[bytes], high_slots: int, collect: Callable[[], None]
-    ) -> list[tuple[int, int]]:
+    ) -> tuple[list[int] | None, list[int]]:
         """A spill's pages, in order: a page held (live or being written) is touched as by
         :meth:`touch`; any other gets a free slot as by :meth:`alloc`, after ``collect()`` (GC)
-        whenever one more used slot would pass ``high_slots``. Returns ``(LIVE | WRITING |
-        ALLOCATED, slot)`` per page, ``(FULL, -1)`` where no slot was free.
+        whenever one more used slot would pass ``high_slots``. Returns ``(fates, slots)``: per
+        page ``LIVE | WRITING | ALLOCATED`` and its slot, ``FULL`` and -1 where no slot was
+        free; ``fates`` is None when every page was allocated (the usual spill).
 
         One call for a whole spill (a call per page was a fifth of the engine thread's time in
         a replay that spills every page), and the usual part of it without a Python step a page:
@@ -271,8 +280,9 @@ class SlotPool:
             return self._touch_or_alloc_each(hashes, high_slots, collect)
         slot_of, page, writing, free = self._slot, self._page, self._writing, self._free
         found = list(map(slot_of.get, hashes))  # exact until GC frees slots (no page twice)
-        out: list[tuple[int, int]] = []
-        add = out.append
+        fates: list[int] = []
+        out: list[int] = []
+        only_allocated = True
         touched: dict[int, int] = {}  # slot -> clock of the pages touched
         clock, i, n = self.clock, 0, len(hashes)
         while i < n:
@@ -280,7 +290,9 @@ class SlotPool:
             if slot is not None:
                 clock += 1
                 touched[slot] = clock
-                add((WRITING if hashes[i] in writing else LIVE, slot))
+                fates.append(WRITING if hashes[i] in writing else LIVE)
+                out.append(slot)
+                only_allocated = False
                 i += 1
                 continue
             if self.num_slots - len(free) + 1 > high_slots:  # GC first, as for any new page
@@ -290,7 +302,9 @@ class SlotPool:
                 collect()  # frees slots into the same free list
                 found[i + 1 :] = map(slot_of.get, hashes[i + 1 :])
             if not free:
-                add((FULL, -1))
+                fates.append(FULL)
+                out.append(-1)
+                only_allocated = False
                 i += 1
                 continue
             # Page i and the absent pages after it that fit under the watermark (page i alone
@@ -304,25 +318,25 @@ class SlotPool:
             del free[len(free) - k :]
             slot_of.update(zip(run, slots, strict=True))
             writing.update(run)
-            for s, h in zip(slots, run, strict=True):
-                page[s] = h
+            _each(map(page.__setitem__, slots, run))  # page[s] = h, no Python step a page
             self._last[slots] = np.arange(clock + 1, clock + k + 1, dtype=np.int64)
             self._dirty[slots] = False
             clock += k
-            out.extend(zip([ALLOCATED] * k, slots, strict=True))
+            fates += [ALLOCATED] * k
+            out += slots
             i = j
         self.clock = clock
         self._stamp(touched, touched=True)
-        return out
+        return (None if only_allocated else fates), out
 
     def _touch_or_alloc_each(
         self, page_hashes: Sequence[bytes], high_slots: int, collect: Callable[[], None]
-    ) -> list[tuple[int, int]]:
+    ) -> tuple[list[int] | None, list[int]]:
         """:meth:`touch_or_alloc` page by page (a spill that lists a page twice)."""
         slot_of, page, writing, free = self._slot, self._page, self._writing, self._free
         get = slot_of.get
-        out: list[tuple[int, int]] = []
-        add = out.append
+        fates: list[int] = []
+        out: list[int] = []
         new: dict[int, int] = {}  # slot -> clock of the pages allocated (not yet in the arrays)
         touched: dict[int, int] = {}  # slot -> clock of the pages touched
         clock = self.clock
@@ -331,7 +345,8 @@ class SlotPool:
             if found is not None:
                 clock += 1
                 touched[found] = clock
-                add((WRITING if h in writing else LIVE, found))
+                fates.append(WRITING if h in writing else LIVE)
+                out.append(found)
                 continue
             if self.num_slots - len(free) + 1 > high_slots:
                 self.clock = clock
@@ -340,7 +355,8 @@ class SlotPool:
                 new, touched = {}, {}
                 collect()  # frees slots into the same free list
             if not free:
-                add((FULL, -1))
+                fates.append(FULL)
+                out.append(-1)
                 continue
             slot = free.pop()
             clock += 1
@@ -348,11 +364,12 @@ class SlotPool:
             page[slot] = h
             writing.add(h)
             new[slot] = clock
-            add((ALLOCATED, slot))
+            fates.append(ALLOCATED)
+            out.append(slot)
         self.clock = clock
         self._stamp(new, touched=False)  # then the touches: a page allocated and touched again
         self._stamp(touched, touched=True)  # in one call takes the later clock
-        return out
+        return fates, out
 
     def remove_coldest(self, n: int) -> list[tuple[bytes, int, int]]:
         """Free the ``n`` least recently used live pages (:meth:`remove` each), coldest first;
@@ -361,11 +378,9 @@ class SlotPool:
         slots = order.tolist()
         lasts = self._last[order].tolist()
         page = self._page
-        hashes: list[bytes] = [page[s] for s in slots]
-        for h in hashes:
-            del self._slot[h]
-        for s in slots:
-            page[s] = None
+        hashes: list[bytes] = list(map(page.__getitem__, slots))  # type: ignore[arg-type]
+        _each(map(self._slot.__delitem__, hashes))
+        _each(map(page.__setitem__, slots, repeat(None)))
         self._last[order] = _UNUSED
         self._dirty[order] = False
         self._free += slots

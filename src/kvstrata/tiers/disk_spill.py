@@ -35,8 +35,10 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import lmdb
+import numpy as np
 
 from .disk_buffers import Staging
 from .disk_events import POLL_S, Counters, Events, RateLimitedLog, log
@@ -47,6 +49,9 @@ from .disk_layout import Slab
 from .disk_plan import SpillJob, SpillPlanner
 from .disk_slots import SlotPool
 from .page_hash import Namespace
+
+#: A ``Staged`` page's fields, read without a Python step a page.
+_hash, _slot, _block = itemgetter(1), itemgetter(2), itemgetter(3)
 
 #: Batches whose end has come are synced and published together while more staged work waits
 #: (group commit: one fdatasync per slab and one index commit for all of them), up to this many.
@@ -243,13 +248,25 @@ class SpillPipeline:
             self.pool.release_withheld(stale[1])
 
     def _finish(self, items: list[Staged], ok: bool) -> None:
-        self.staging.release_many([item.block for item in items if item.block is not None])
-        self.events.pages_done([(item.job, item.page_hash) for item in items], ok)
+        blocks = list(map(_block, items))
+        self.staging.release_many(
+            [b for b in blocks if b is not None] if None in blocks else blocks
+        )
+        self.events.pages_done(items, ok)
 
     def _write_chunk(self, pages: list[Staged], batch: _Batch) -> None:
         """Start writing staged pages into their planned slots, a run of consecutive slots of
         one file at a time (one run per drive at once where slots are striped); they become
         durable when their batch commits."""
+        if self.stripes == 1 and not self._unsafe and pages:  # the usual chunk: runs at once
+            slots = list(map(_slot, pages))
+            if min(slots) >= 0 and None not in map(_block, pages):
+                cuts = (np.flatnonzero(np.diff(slots) != 1) + 1).tolist()
+                for start, end in zip([0, *cuts], [*cuts, len(pages)], strict=True):
+                    for at in range(start, end, MAX_RUN_SLOTS):
+                        run = pages[at : min(at + MAX_RUN_SLOTS, end)]
+                        batch.written.append((run, self._writers.submit(self._write_run, run)))
+                return
         runs: dict[int, list[Staged]] = {}  # stripe -> the run being gathered there
         for item in pages:
             if item.slot < 0:
@@ -274,8 +291,9 @@ class SpillPipeline:
         slab. On an error each slot is written alone, so that only the pages that fail are
         lost; returns their positions in the run."""
         first, failed = run[0].slot, set()
+        blocks = list(map(_block, run))  # every page of a run was copied
         for kind, slab in enumerate(self.slabs):
-            bufs = [self.staging.slot(item.block or 0, kind) for item in run]
+            bufs = list(map(self.staging.slot_views(kind).__getitem__, blocks))
             try:
                 slab.write_run(first, bufs)
             except OSError:
@@ -310,6 +328,9 @@ class SpillPipeline:
                 self.warn.warn("write", f"writes to slots {run[0].slot}.. took over the timeout")
                 failed = set(range(len(run)))
             self.counters.add(write_errors=len(failed))
+            if not failed:
+                written += run
+                continue
             for i, item in enumerate(run):
                 if i in failed:
                     self._fail(item)
@@ -336,10 +357,10 @@ class SpillPipeline:
 
     def _publish(self, written: list[Staged]) -> bool:
         """Commit the index entries of synced pages (one durable commit), then make them live."""
-        hashes = [item.page_hash for item in written]
+        hashes = list(map(_hash, written))
         with self.state_lock:
             lasts = self.pool.last_accesses(hashes)
-        pages = [(h, item.slot, last) for h, item, last in zip(hashes, written, lasts, strict=True)]
+        pages = list(zip(hashes, map(_slot, written), lasts, strict=True))
         try:
             self.index.put_pages(self.ns.digest, self.rank, pages, self.num_payloads)
         except lmdb.Error as err:

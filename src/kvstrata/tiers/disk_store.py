@@ -261,17 +261,22 @@ class DiskStore:
         """
         self._raise_crash()
         self._looked = None  # a plan may move pages: no reload starts from an older lookup
-        self._check_hashes([h for h, _, _ in pages])
-        self._check_host_pool(host_pool, [slot for _, slot, _ in pages])
+        hashes, slots, hits = (list(c) for c in zip(*pages, strict=True)) if pages else ([], [], [])
+        self._check_hashes(hashes)
+        self._check_host_pool(host_pool, slots)
         if not self._take_ticket(reload=False):
             self.counters.add(spills_refused=1)
             return False
-        admit = [(h, slot) for h, slot, hits in pages if hits >= self.config.min_hits]
-        skipped = [h for h, _, hits in pages if hits < self.config.min_hits]
+        need = self.config.min_hits
+        skipped: list[bytes] = []
+        if hits and min(hits) < need:  # columns, one C pass each, where every page is admitted
+            skipped = [h for h, n in zip(hashes, hits, strict=True) if n < need]
+            admit = [(h, s) for h, s, n in zip(hashes, slots, hits, strict=True) if n >= need]
+            hashes, slots = [h for h, _ in admit], [s for _, s in admit]
         self.counters.add(spills=1, skipped_admission=len(skipped))
-        job = SpillJob(ticket, admit, host_pool, skipped)
+        job = SpillJob(ticket, hashes, slots, host_pool, skipped)
         with self._state_lock:
-            collects = self._planner.would_collect(len(admit)) and self.pool.num_writing > 0
+            collects = self._planner.would_collect(len(hashes)) and self.pool.num_writing > 0
         if collects:  # GC picks among pages on disk: let those in flight land first
             self._wait_written(None, self.config.io_timeout_s)
         with self._state_lock:  # the plan, in call order: what GC takes, which slot each gets
