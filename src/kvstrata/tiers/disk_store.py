@@ -261,7 +261,10 @@ class DiskStore:
         """
         self._raise_crash()
         self._looked = None  # a plan may move pages: no reload starts from an older lookup
-        hashes, slots, hits = (list(c) for c in zip(*pages, strict=True)) if pages else ([], [], [])
+        # Columns (a comprehension each: zip(*pages) over 100,000 pages takes twice as long)
+        hashes = [h for h, _, _ in pages]
+        slots = [s for _, s, _ in pages]
+        hits = [n for _, _, n in pages]
         self._check_hashes(hashes)
         self._check_host_pool(host_pool, slots)
         if not self._take_ticket(reload=False):
