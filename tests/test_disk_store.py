@@ -237,16 +237,24 @@ def test_reload_after_a_lookup_reads_from_its_slots_and_misses_a_page_moved_sinc
         assert store.flush(30)
         assert store.poll().reloaded[0].ok == (True,) * 4
         assert all(read_page(dst, 10 + i) == expected_page(dst, h) for i, h in enumerate(pages[:4]))
-        # A page dropped between the lookup and the reload: its slot holds no page any more.
+        # A page dropped between the lookup and the reload: the lookup's slots are not used (a
+        # page moved), the reload stops at the page the pool no longer holds, as without a
+        # lookup before it, and the pool's invariants hold (no free slot touched).
         assert store.lookup(pages) == 6
         with store._state_lock:
             store.pool.remove(pages[1])
-        before = read_page(dst, 21)
+        before = [read_page(dst, s) for s in (21, 22)]
+        misses = store.stats().counters["read_misses"]
         assert store.reload(3, pages[:3], dst, [20, 21, 22])
         assert store.flush(30)
-        assert store.poll().reloaded[0].ok[:2] == (True, False)
-        assert read_page(dst, 21) == before  # never written
-        assert store.stats().pages_read >= 5
+        assert store.poll().reloaded[0].ok == (True, False, False)
+        assert [read_page(dst, s) for s in (21, 22)] == before  # never written
+        assert store.stats().counters["read_misses"] == misses + 2
+        store.pool.check()
+        # Hashes of another type than bytes are refused however a lookup went before.
+        assert store.lookup(pages[2:4]) == 2
+        with pytest.raises(ConfigError, match="page hashes are"):
+            store.reload(5, [bytearray(h) for h in pages[2:4]], dst, [40, 41])  # type: ignore[misc]
         # The lookup's pages given in another order: looked up again, read right.
         assert store.lookup(pages[2:4]) == 2
         assert store.reload(4, [pages[3], pages[2]], dst, [30, 31])

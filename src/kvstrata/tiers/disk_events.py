@@ -157,7 +157,7 @@ class Events:
         if job.released and job.pending == 0:
             durable: tuple[bytes, ...]
             failed: tuple[bytes, ...]
-            if not job.failed and job.durable == job.hashes:  # every page, landed in order
+            if job.distinct and not job.failed and job.durable == job.hashes:  # landed in order
                 durable, failed = tuple(job.durable), ()
             else:  # report in spill order
                 order = {h: i for i, h in enumerate(job.hashes)}

@@ -55,6 +55,7 @@ class SpillJob:
     failed: list[bytes] = field(default_factory=list)
     pending: int = 0  # planned pages not finished
     rewrites: int = 0  # planned pages an earlier write brings to disk (disk slot -1)
+    distinct: bool = False  # no page listed twice (known when every page was allocated)
     released: bool = False
 
 
@@ -84,7 +85,8 @@ class SpillPlanner:
         fates, slots = self.pool.touch_or_alloc(
             job.hashes, self.high_slots, lambda: self._collect(job)
         )
-        if fates is None:  # the usual spill: every page allocated
+        if fates is None:  # the usual spill: every page allocated (none listed twice)
+            job.distinct = True
             rows = list(zip(job.hashes, job.host_slots, slots, strict=True))
             step = self.batch_pages
             job.batches = [rows[i : i + step] for i in range(0, len(rows), step)]

@@ -63,6 +63,10 @@ class SlotPool:
         #: name them and could not be deleted (a fault); never handed out until they are.
         self.withheld: set[int] = set()
         self.clock = 0
+        #: Bumped whenever a page leaves its slot or a slot takes a page back: slots read from
+        #: the pool are still those pages' while it is unchanged (a lookup's, for the reload
+        #: that follows it).
+        self.moves = 0
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -200,6 +204,7 @@ class SlotPool:
         self._dirty[slot] = False
 
     def _let_go(self, page_hash: bytes) -> int:
+        self.moves += 1
         slot = self._slot.pop(page_hash)
         self._page[slot] = None
         self._last[slot] = _UNUSED
@@ -375,6 +380,7 @@ class SlotPool:
         """Free the ``n`` least recently used live pages (:meth:`remove` each), coldest first;
         returns their ``(page hash, slot, last_access)``."""
         order = self._coldest_slots(n)
+        self.moves += 1
         slots = order.tolist()
         lasts = self._last[order].tolist()
         page = self._page
@@ -412,6 +418,7 @@ class SlotPool:
         if page_hash in self._slot or slot not in self._free:
             return False
         self._free.remove(slot)
+        self.moves += 1
         self._hold(page_hash, slot, last_access)  # back in its place in the LRU order
         return True
 
@@ -433,6 +440,7 @@ class SlotPool:
         assert len(taken) == len(pages), "two live pages in one slot"
         assert len({h for h, _, _ in pages}) == len(pages), "a page in two slots"
         assert all(0 <= s < self.num_slots for s in taken)
+        self.moves += 1
         for h, slot, last in pages:
             self._hold(h, slot, last)
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]

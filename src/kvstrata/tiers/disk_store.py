@@ -193,8 +193,9 @@ class DiskStore:
         )
         self._reload_thread.start()
         self._open_tickets = 0  # submitted and not yet returned by poll()
-        #: The last lookup's leading pages and their slots, until the next call
-        self._looked: tuple[list[bytes], list[int]] | None = None
+        #: The last lookup's leading pages, their slots and the pool's ``moves`` then, until
+        #: the next call
+        self._looked: tuple[list[bytes], list[int], int] | None = None
 
     # -- spill -----------------------------------------------------------------------------------
 
@@ -363,15 +364,16 @@ class DiskStore:
         not, whether or not the writer got there yet. The slot pool answers: it holds exactly
         the index's pages (rebuilt from it at start, changed only after the index commits) plus
         the plans, so no slab or index I/O. A read still confirms each page with the index."""
-        self._check_hashes(page_hashes)
         self._looked = None
+        self._check_hashes(page_hashes)
         if self._closed or self._index is None:
             return 0
         with self._state_lock:
             slots = self.pool.leading(page_hashes)
-        # A reload of these pages that follows at once (DiskTier.try_reload) starts from these
-        # slots instead of looking every page up again.
-        self._looked = (list(page_hashes[: len(slots)]), slots)
+            moves = self.pool.moves
+        # A reload of these pages that follows (DiskTier.try_reload) starts from these slots
+        # instead of looking every page up again, unless a page left its slot meanwhile.
+        self._looked = (list(page_hashes[: len(slots)]), slots, moves)
         return len(slots)
 
     def _locate(self, page_hashes: Sequence[bytes]) -> list[int | None]:
@@ -407,6 +409,7 @@ class DiskStore:
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
         self._check_hashes(page_hashes)
         self._check_host_pool(host_pool, host_slots, distinct=True)
+        self._looked = None
         if self._closed:
             return [False] * len(page_hashes)
         self.touch(page_hashes)
@@ -425,22 +428,25 @@ class DiskStore:
         if len(page_hashes) != len(host_slots):
             raise ConfigError(f"{len(page_hashes)} page hashes for {len(host_slots)} host slots")
         hashes, looked, self._looked = list(page_hashes), self._looked, None
-        # The pages the last lookup found (its hashes checked then), or some of the first: their
-        # slots as it found them. A slot that changed hands since fails the read's check after
-        # the read (``holds``): a miss, never another page's bytes.
-        known = looked is not None and looked[0][: len(hashes)] == hashes
-        if not known:
-            self._check_hashes(hashes)
+        self._check_hashes(hashes)
         slots = self._check_host_pool(host_pool, host_slots, distinct=True)
         if not self._take_ticket(reload=True):
             return False
         self.counters.add(reloads=1)
         # Where each page is, and accessed now, in call order, not when the read gets to it:
-        # one look at the pool for both (a page being written is read once it is written).
+        # one look at the pool for both (a page being written is read once it is written). The
+        # pages the last lookup found, or the first of them, with no page moved since: the
+        # slots it found.
         with self._state_lock:
-            where: list[int | None] = (
-                [*looked[1][: len(hashes)]] if known and looked else self.pool.held_slots(hashes)
-            )
+            where: list[int | None]
+            if (
+                looked is not None
+                and looked[2] == self.pool.moves
+                and (looked[0][: len(hashes)] == hashes)
+            ):
+                where = [*looked[1][: len(hashes)]]
+            else:
+                where = self.pool.held_slots(hashes)
             self.pool.touch_slots([s for s in where if s is not None])
         self._reloads.put_nowait(_ReloadJob(ticket, hashes, host_pool, slots, where))
         return True
