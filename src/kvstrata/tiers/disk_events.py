@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .disk_gather import Staged
     from .disk_plan import SpillJob
 
 log = logging.getLogger("kvstrata.disk")
@@ -142,9 +143,9 @@ class Events:
             self._maybe_done(job)
             self.cond.notify_all()
 
-    def pages_done(self, pages: Sequence[tuple[Any, ...]], ok: bool) -> None:
-        """Pages ``(job, page hash, ...)`` (a ``Staged`` each) are durable (``ok``) or failed;
-        a job's pages that come together are recorded together."""
+    def pages_done(self, pages: Sequence[Staged], ok: bool) -> None:
+        """Staged pages are durable (``ok``) or failed; a job's pages that come together are
+        recorded together."""
         with self.cond:
             for job, group in groupby(pages, key=itemgetter(0)):
                 done = list(map(itemgetter(1), group))

@@ -145,6 +145,17 @@ def decode_value(value: bytes | memoryview) -> tuple[bytes, int, int] | None:
     return page_hash, rank, last
 
 
+def _names(raw: bytes | None, page_hash: bytes, rank: bytes | None) -> bool:
+    """Whether an index value names ``page_hash`` (and ``rank``, packed as in the value, when
+    given), compared as bytes: GC and the touches at close test 100,000s of entries."""
+    return (
+        raw is not None
+        and len(raw) == VALUE.size
+        and raw[:HASH_BYTES] == page_hash
+        and (rank is None or raw[HASH_BYTES : HASH_BYTES + _RANK.size] == rank)
+    )
+
+
 def _acquire_env(path: Path, map_size: int, readonly: bool, locked: bool) -> lmdb.Environment:
     key = str(path.resolve())
     with _ENVS_LOCK:
@@ -368,14 +379,13 @@ class DiskIndex:
     ) -> None:
         """Set ``last_access`` of ``(page hash, slot, last_access)`` pages whose entries still
         name that slot (a page dropped meanwhile is left dropped)."""
+        ranked = _RANK.pack(rank)
         with self.env.begin(write=True, db=self._pages) as txn:
-            for page_hash, slot, last in sorted(pages, key=lambda p: p[1]):
+            for page_hash, slot, last in sorted(pages, key=itemgetter(1)):
                 value = VALUE.pack(page_hash, rank, last)
                 for kind in range(num_payloads):
                     key = KEY.pack(ns, slot, kind)
-                    raw = txn.get(key)
-                    found = decode_value(raw) if raw is not None else None
-                    if found is not None and found[0] == page_hash and found[1] == rank:
+                    if _names(txn.get(key), page_hash, ranked):
                         txn.put(key, value)
 
     def delete_pages(
@@ -387,23 +397,15 @@ class DiskIndex:
     ) -> None:
         """Delete the payload entries of each ``(page hash, slot)`` that still name that page
         (and ``rank``, when given): another page's entries at the slot stay."""
-        pack, kinds, size = KEY.pack, range(num_payloads), VALUE.size
-        # The value's page hash and rank as bytes: no unpacking per entry (GC deletes 100,000s).
+        pack, kinds = KEY.pack, range(num_payloads)
         ranked = None if rank is None else _RANK.pack(rank)
-        at = slice(HASH_BYTES, HASH_BYTES + _RANK.size)
         with self.env.begin(write=True, db=self._pages) as txn:
             pop, put = txn.pop, txn.put
             for page_hash, slot in sorted(pages, key=itemgetter(1)):
                 for kind in kinds:
                     key = pack(ns, slot, kind)
                     raw = pop(key)  # one call: the entry found and deleted
-                    if raw is None:
-                        continue
-                    if (
-                        len(raw) != size
-                        or raw[:HASH_BYTES] != page_hash
-                        or (ranked is not None and raw[at] != ranked)
-                    ):
+                    if raw is not None and not _names(raw, page_hash, ranked):
                         put(key, raw)  # another page's (or an unreadable) entry: it stays
 
     def delete_keys(self, keys: Sequence[bytes]) -> None:

@@ -173,7 +173,10 @@ class PageReader:
             self.counters.add(index_errors=1)
             self._warn.warn("index", f"cannot read the disk index: {err}")
         # The pages up to the first absent one (no Python step a page: a reload has thousands).
-        lead = found.index(None) if None in found else len(found)
+        try:
+            lead = found.index(None)
+        except ValueError:
+            lead = len(found)
         slots = cast("list[int]", list(found[:lead]))
         self.counters.add(read_misses=len(hashes) - len(slots))
         bad = None
