@@ -1,4 +1,5 @@
-"""Helpers shared by several test modules: running an engine to the end, and writing traces."""
+"""Helpers shared by several test modules: running an engine to the end, writing traces, and a
+hasher whose page keys collide."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
+from kvstrata.cache.keys import PrefixHasher
 from kvstrata.engine import Engine, Finished
 from kvstrata.workloads import Request
 
@@ -47,3 +51,11 @@ def write_trace(path: Path, lines: Iterable[str]) -> Path:
     """A trace file of ``lines``, one per line, as given (malformed ones too)."""
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+class OrderBlindHasher(PrefixHasher):
+    """Every weight is 1: a key is the token sum plus the length term, so any two prefixes of
+    equal length and equal token multiset collide."""
+
+    def weights(self, n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.uint64)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import run_all
+from helpers import OrderBlindHasher, run_all
 
-from kvstrata.engine import Engine, EngineConfig
+from kvstrata.engine import Engine, EngineConfig, Finished
 from kvstrata.errors import ConfigError
 from kvstrata.model.compute import ModelCompute, SyntheticCompute, synthetic_payload
 from kvstrata.model.loader import load_model
@@ -80,6 +80,36 @@ def test_full_page_multiple_hit_recomputes_last_page(tiny: ModelCompute) -> None
     assert a.logits is not None and b.logits is not None
     assert torch.allclose(a.logits, b.logits, atol=1e-5, rtol=0)
     engine.check()
+
+
+@pytest.mark.parametrize("l2_tokens", [0, 256])
+def test_a_page_key_collision_mid_prefill_stops_that_request_s_inserts(
+    tiny: ModelCompute, l2_tokens: int
+) -> None:
+    """B shares A's first two pages, then a page with A's tokens in another order (an equal key
+    under an order-blind hasher) and more: B's chunk that reaches the collision is kept out of
+    the tree, its later chunks are not inserted, its pages are freed at the end, and every
+    request's logits equal a no-cache recompute. (A chunk after the collision once raised:
+    the engine took what it computed for what the tree held.)"""
+    a = np.arange(1, 25, dtype=np.uint32)
+    b = np.concatenate([a[:8], a[8:12][::-1], np.arange(100, 120, dtype=np.uint32)])
+    config = EngineConfig(
+        page_size=4, pool_tokens=256, chunk_size=8, l2_tokens=l2_tokens, check_every_step=True
+    )
+    engine = Engine(tiny, config)
+    engine.cache.tree.hasher = OrderBlindHasher()
+    engine.keep_logits = {0, 1, 2}
+    requests = [Request(0, a), Request(1, b), Request(2, b.copy())]
+    out: dict[int, Finished] = {}
+    for r in requests:  # one after the other: B meets A's pages, C meets both
+        out |= run_all(engine, [r], check=True)
+    assert engine.cache.tree.hash_collisions >= 1
+    assert [out[i].cached_len for i in range(3)] == [0, 8, 8]
+    assert engine.cache.allocator.num_used == engine.cache.tree.num_pages  # nothing leaked
+    for r in requests:
+        got = out[r.rid].logits
+        fresh = recompute_uncached(tiny, config, r)
+        assert got is not None and torch.allclose(got, fresh, atol=1e-5, rtol=0), r.rid
 
 
 def test_request_that_cannot_fit_fails_alone(tiny: ModelCompute) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from helpers import OrderBlindHasher
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -679,14 +680,6 @@ def test_unlock_of_the_root_without_a_lock() -> None:
 
 
 # -- hash collisions -------------------------------------------------------------------------------
-
-
-class OrderBlindHasher(PrefixHasher):
-    """Every weight is 1: a key is the token sum plus the length term, so any two prefixes of
-    equal length and equal token multiset collide."""
-
-    def weights(self, n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.uint64)
 
 
 def test_order_blind_hasher_really_collides() -> None:

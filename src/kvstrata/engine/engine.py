@@ -332,7 +332,9 @@ class Engine:
             return False
         k = key.page_keys.item(m)
         return any(
-            r.inserted_len // P <= m < r.key.num_full_pages and r.key.page_keys.item(m) == k
+            not r.collided
+            and r.inserted_len // P <= m < r.key.num_full_pages
+            and r.key.page_keys.item(m) == k
             for r in self.running
         )
 

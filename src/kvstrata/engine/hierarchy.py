@@ -293,9 +293,13 @@ class CacheHierarchy:
         return pages
 
     def release(self, run: Running) -> None:
-        """A request is done: free the duplicates it kept and unlock what it read."""
-        if run.duplicates:
-            self.allocator.free(np.unique(np.concatenate(run.duplicates)))
+        """A request is done: free the duplicates it kept (and, after a collision, every page
+        past what the tree holds) and unlock what it read."""
+        own = run.duplicates
+        if run.collided:
+            own = [*own, run.pages[page_span(run.inserted_len, self.config.page_size) :]]
+        if own:
+            self.allocator.free(np.unique(np.concatenate(own)))
         self.tree.unlock(run.node)
 
     def forget(self, rid: int) -> None:
@@ -312,6 +316,8 @@ class CacheHierarchy:
             return
         P = self.config.page_size
         for run, extend in chosen:
+            if run.collided:
+                continue
             first, last = run.inserted_len // P, page_span(insertable_len(run, extend, P), P)
             if last > first:
                 res = self.backups.reserve_chunk(run.node, first, run.pages[first:last])
@@ -381,7 +387,7 @@ class CacheHierarchy:
         queue the backed-up pages' spill for when the backup commits)."""
         P = self.config.page_size
         upto = insertable_len(run, 0, P)
-        if upto <= run.inserted_len:
+        if upto <= run.inserted_len or run.collided:
             return
         key = run.key.prefix(upto)
         span = page_span(upto, P)
@@ -413,6 +419,12 @@ class CacheHierarchy:
                         res.host_pages[:full],
                     )
                 )
+        if result.node.end < upto:
+            # A key collision: the tree holds other tokens under this request's next page key
+            # and kept none of its pages from there (they are in duplicates); a later chunk
+            # would collide again, so its inserts stop here and release frees the rest.
+            run.collided = True
+            upto = result.node.end
         run.inserted_len = upto
 
     # -- copies: progress and the frontier -------------------------------------------------------

@@ -71,6 +71,9 @@ class Running:
     # Pages the tree did not keep that it still reads (only after a key collision): freed at
     # the end. Ordinary duplicates are swapped for the tree's pages and freed at once.
     duplicates: list[IntArray] = field(default_factory=list)
+    # A key collision stopped its inserts: the tree holds its first inserted_len tokens; the
+    # pages past them stay its own (never inserted, no backups) and are freed at the end.
+    collided: bool = False
     logits: torch.Tensor | None = field(default=None)
     logit_chunks: list[torch.Tensor] = field(default_factory=list)
 
