@@ -11,9 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import OrderBlindHasher
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstrata.cache.keys import PrefixHasher as KeyHasher
 from kvstrata.config import KVLayout, PayloadSpec
 from kvstrata.errors import ConfigError, InvalidTokensError
 from kvstrata.tiers.page_hash import ROOT_HASH, Namespace, PrefixHasher, page_hashes
@@ -72,22 +74,36 @@ def test_prefix_closed_and_continuable(tokens: list[int], page_size: int, cut: i
 @given(
     cuts=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 60)), min_size=1, max_size=12),
     kept=st.integers(1, 4),
+    prints=st.sampled_from(["blake2b", "prefix keys", "colliding keys"]),
 )
 def test_the_prefix_hasher_gives_the_chain_whatever_it_kept(
-    cuts: list[tuple[int, int]], kept: int
+    cuts: list[tuple[int, int]], kept: int, prints: str
 ) -> None:
     """Sequences that share prefixes of any length with the earlier ones (a conversation's
     turns, an agent's steps, other sessions between them): the hashes are the chain's, exactly,
-    however few sequences the hasher keeps; the shared pages are reused, not hashed again."""
+    however few sequences the hasher keeps, and whatever the fingerprints (its own BLAKE2b, the
+    radix tree's prefix keys, or keys that collide for any equal token multiset); the shared
+    pages are reused, not hashed again."""
     hasher = PrefixHasher(NS, sequences=kept)
+    keyer = {"prefix keys": KeyHasher(), "colliding keys": OrderBlindHasher()}.get(prints)
+
+    def fp(tokens: np.ndarray) -> np.ndarray | None:
+        return keyer.key(tokens, NS.page_size).page_keys if keyer and tokens.size else None
+
     base = np.random.default_rng(0).integers(0, 2**32, 400, dtype=np.uint64).astype(np.uint32)
     for share, tail in cuts:
         tokens = np.concatenate([base[:share], np.arange(tail, dtype=np.uint32) + 7 * share])
-        assert hasher(tokens) == _reference(NS, tokens.tolist()), (share, tail)
+        if tail % 2:  # another order: the same colliding keys as a kept sequence, other hashes
+            tokens[share:] = tokens[share:][::-1].copy()
+        assert hasher(tokens, fp(tokens)) == _reference(NS, tokens.tolist()), (share, tail)
     # The same long sequence twice: the second time every page comes from the first's chain.
     hashed = hasher.pages_hashed
-    assert hasher(base) == hasher(base) == page_hashes(NS, base)
+    assert hasher(base, fp(base)) == hasher(base, fp(base)) == page_hashes(NS, base)
     assert hasher.pages_hashed - hashed <= len(base) // NS.page_size
+    swapped = base.copy()  # page 3's tokens in another order: colliding keys from page 3 on
+    swapped[12:16] = swapped[12:16][::-1].copy()
+    assert hasher(swapped, fp(swapped)) == page_hashes(NS, swapped)
+    assert hasher(base, fp(base)) == page_hashes(NS, base)
     got = hasher(base)
     got[0] = b"x" * 32  # the caller's list is its own: the kept chain is untouched
     assert hasher(base) == page_hashes(NS, base)
@@ -99,6 +115,8 @@ def test_the_prefix_hasher_gives_the_chain_whatever_it_kept(
     assert small._kept_tokens <= 120 and len(small._kept) == 1
     with pytest.raises(ConfigError, match="keeps >= 1"):
         PrefixHasher(NS, sequences=0)
+    with pytest.raises(ConfigError, match="a key per full page"):
+        PrefixHasher(NS)(base[:8], np.zeros(1, dtype=np.uint64))
 
 
 def test_a_session_keeps_one_sequence_and_hashes_only_its_new_pages() -> None:

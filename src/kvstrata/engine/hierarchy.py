@@ -228,7 +228,7 @@ class CacheHierarchy:
         if hashes is None:
             assert self._hasher is not None
             full = key.num_full_pages * self.config.page_size
-            hashes = self._hashes[rid] = self._hasher(key.tokens[:full])
+            hashes = self._hashes[rid] = self._hasher(key.tokens[:full], key.page_keys)
         return hashes
 
     # -- claim and release -----------------------------------------------------------------------

@@ -33,6 +33,9 @@ FORMAT_VERSION = 1
 HASH_BYTES = 32
 #: The hash before the first page.
 ROOT_HASH = bytes(HASH_BYTES)
+#: A prefix fingerprint of :class:`PrefixHasher`: a radix prefix key, or BLAKE2b bytes.
+Print = int | bytes
+_POWERS = 1 << np.arange(63, dtype=np.int64)  # page counts 1, 2, 4, ...
 
 
 @dataclass(frozen=True)
@@ -142,8 +145,9 @@ class PrefixHasher:
     :func:`page_hashes`'s (the chain continues from the last shared page's hash, the shared
     length found by comparing tokens); only the time differs.
 
-    A sequence is found by fingerprints of its first 1, 2, 4, 8, ... pages (BLAKE2b over the
-    tokens, one pass): the longest fingerprint of a new sequence that a kept one has names the
+    A sequence is found by fingerprints of its first 1, 2, 4, 8, ... pages (the radix tree's
+    prefix keys of those pages when the caller passes them, else BLAKE2b over the tokens, one
+    pass; either way a candidate is confirmed by comparing tokens): the longest fingerprint of a new sequence that a kept one has names the
     candidate. At most ``sequences`` are kept, and ``max_tokens`` of their tokens (64 MiB at the
     default: the last one is kept whatever its length), least recently used dropped first (256: on
     ``agentic:0:1000`` 68 % of the pages came from a chain, 41 % with 64). A sequence that
@@ -160,27 +164,40 @@ class PrefixHasher:
             )
         self.namespace, self.sequences, self.max_tokens = namespace, sequences, max_tokens
         self._kept_tokens = 0
-        self._kept: OrderedDict[int, tuple[np.ndarray, list[bytes], list[bytes]]] = OrderedDict()
-        self._by_prefix: dict[bytes, int] = {}  # fingerprint -> the kept sequence's number
+        self._kept: OrderedDict[int, tuple[np.ndarray, list[bytes], list[Print]]] = OrderedDict()
+        self._by_prefix: dict[Print, int] = {}  # fingerprint -> the kept sequence's number
         self._next = 0
         self.pages_hashed = 0  # pages whose hash was computed (the rest came from a chain)
         self.pages_reused = 0
 
-    def _fingerprints(self, words: np.ndarray, num_pages: int) -> list[bytes]:
-        """BLAKE2b of the first 1, 2, 4, ... pages' tokens (page counts up to ``num_pages``)."""
+    def _fingerprints(
+        self, words: np.ndarray, num_pages: int, page_keys: np.ndarray | None
+    ) -> list[Print]:
+        """Fingerprints of the first 1, 2, 4, ... pages (page counts up to ``num_pages``): the
+        prefix keys ``page_keys[k - 1]`` when given (no pass over the tokens; BLAKE2b lets go
+        of the GIL on long inputs, and the engine thread then waited for it back each time while
+        the disk tier's threads ran), else BLAKE2b of the tokens."""
+        if page_keys is not None:
+            return list(page_keys[_POWERS[: num_pages.bit_length()] - 1].tolist())
         data, step = (
             memoryview(words.astype("<u4", copy=False).tobytes()),
             4 * self.namespace.page_size,
         )
-        m, out, done, k = hashlib.blake2b(digest_size=16), [], 0, 1
+        m, done, k = hashlib.blake2b(digest_size=16), 0, 1
+        out: list[Print] = []
         while k <= num_pages:
             m.update(data[done * step : k * step])
             out.append(m.copy().digest())
             done, k = k, 2 * k
         return out
 
-    def __call__(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
-        """:func:`page_hashes` ``(namespace, tokens)``."""
+    def __call__(
+        self, tokens: Sequence[int] | np.ndarray, page_keys: np.ndarray | None = None
+    ) -> list[bytes]:
+        """:func:`page_hashes` ``(namespace, tokens)``. ``page_keys``: the tokens' prefix keys
+        (:attr:`~kvstrata.cache.keys.TokenKey.page_keys`, of this namespace's page size), at
+        least one per full page, used as fingerprints; pass them always or never to one hasher
+        (a BLAKE2b fingerprint never equals a key, so a mix only finds fewer chains)."""
         P = self.namespace.page_size
         if len(tokens) == 0:
             return []
@@ -189,7 +206,12 @@ class PrefixHasher:
         if num_pages == 0:
             return []
         words = words[: num_pages * P]
-        prints = self._fingerprints(words, num_pages)
+        if page_keys is not None and (page_keys.ndim != 1 or page_keys.size < num_pages):
+            raise ConfigError(
+                f"page_keys must hold a key per full page ({num_pages}), got shape "
+                f"{page_keys.shape}"
+            )
+        prints = self._fingerprints(words, num_pages, page_keys)
         shared, chain, subsumed = 0, None, None
         for fp in reversed(prints):
             seq = self._by_prefix.get(fp)
@@ -213,7 +235,7 @@ class PrefixHasher:
         self._keep(words.copy(), out, prints)  # copies: the caller may change its array or list
         return list(out)
 
-    def _keep(self, words: np.ndarray, hashes: list[bytes], prints: list[bytes]) -> None:
+    def _keep(self, words: np.ndarray, hashes: list[bytes], prints: list[Print]) -> None:
         seq, self._next = self._next, self._next + 1
         self._kept[seq] = (words, hashes, prints)
         self._kept_tokens += words.size
