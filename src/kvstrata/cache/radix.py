@@ -350,6 +350,7 @@ class RadixTree(TierState):
             )
         node = path[-1] if path else self.root
         kept, prefix_len = m, m * P  # pages [0, kept) are covered by the tree
+        held = None  # after a collision: the tree holds this key's tokens on pages [0, held) only
         tail_owner: Node | None = None  # the node holding an identical valid tail
         split_leaf = new_leaf = False
         if m * P < n:
@@ -359,7 +360,7 @@ class RadixTree(TierState):
                     tail_owner, kept, prefix_len = node, num_pages, n
                 elif self._lower_first_key(node, m * P) == self._child_key(key, m):
                     self.hash_collisions += 1  # the new page's key equals the split-off part's
-                    kept = num_pages
+                    kept, held = num_pages, m
                 else:
                     split_leaf = True
             else:
@@ -370,10 +371,12 @@ class RadixTree(TierState):
                     tail_owner, kept, prefix_len = twin, num_pages, n
                 else:
                     self.hash_collisions += 1  # a different page under an equal key: keep none
-                    kept = num_pages
+                    kept, held = num_pages, m
         # What the tree holds where fresh pages land inside the covered part [c, kept): usually
         # nothing (c == kept), else another request's pages (duplicates) or host-only positions.
-        tree_pages = self._covered_pages(path, tail_owner, c, kept)
+        tree_pages = self._covered_pages(path, tail_owner, c, kept if held is None else held)
+        if held is not None and kept > max(held, c):  # other tokens there: never the tree's pages
+            tree_pages = np.concatenate([tree_pages, np.full(kept - max(held, c), _FOREIGN)])
         attaching = bool(tree_pages.size) and bool((tree_pages == _NO_PAGE).any())
         self._check_new_pages(Tier.L1, pages[c:])
 

@@ -44,6 +44,7 @@ class TierState:
     _allocators: dict[Tier, PageAllocator | None]
     _pending: dict[int, list[Node]]
     _version: int
+    hash_collisions: int
 
     if TYPE_CHECKING:  # the tree's own, used here
 
@@ -51,6 +52,7 @@ class TierState:
         def nodes(self) -> list[Node]: ...
         def key(self, tokens: object) -> TokenKey: ...
         def _descend(self, key: TokenKey, confirmed_len: int = 0) -> tuple[list[Node], int]: ...
+        def _child_key(self, key: TokenKey, m: int) -> int: ...
         def _new_leaf(
             self, parent: Node, key: TokenKey, m: int, pages: IntArray, tier: Tier = Tier.L1
         ) -> Node: ...
@@ -421,10 +423,15 @@ class TierState:
             self._stamp[tier] = np.zeros(size, dtype=np.int64)
         return held
 
-    def insert_host(self, tokens: TokenKey | object, host_pages: IntArray, cached_len: int) -> Node:
+    def insert_host(
+        self, tokens: TokenKey | object, host_pages: IntArray, cached_len: int
+    ) -> Node | None:
         """Insert whole pages that only the host holds (a reload from disk): ``host_pages`` for the
         pages after the first ``cached_len`` tokens, which the tree must hold exactly, ending at a
-        node with a host copy (host residency is root-connected). Returns the new host-only leaf.
+        node with a host copy (host residency is root-connected). Returns the new host-only leaf,
+        or None when a child there holds other tokens under the first page's key (a key
+        collision): nothing is inserted and the pages stay the caller's (a new leaf would have
+        replaced that child, and lost its subtree and pages).
         """
         key = self.key(tokens)
         P, n = self.page_size, len(key)
@@ -455,4 +462,7 @@ class TierState:
         if not lanes_ok.all():
             raise TreeUsageError("insert_host: host pages of the wrong lanes")
         self._check_new_pages(Tier.L2, host_pages)
+        if self._child_key(key, m) in parent.children:  # other tokens: they matched none of it
+            self.hash_collisions += 1
+            return None
         return self._new_leaf(parent, key, m, host_pages, Tier.L2)

@@ -307,8 +307,11 @@ class DiskTier:
             self.host_allocator.free(rec.host_pages)
             return None
         self.host_allocator.free(rec.host_pages[keep:])
-        tree.insert_host(rec.key.prefix(rec.cached_len + keep * P), rec.host_pages[:keep],
-                         rec.cached_len)  # fmt: skip
+        leaf = tree.insert_host(rec.key.prefix(rec.cached_len + keep * P), rec.host_pages[:keep],
+                                rec.cached_len)  # fmt: skip
+        if leaf is None:  # a key collision with the tree's pages: the request computes these
+            self.host_allocator.free(rec.host_pages[:keep])
+            return None
         self.stats.reloaded_pages += keep
         return rec.rid, keep * P
 
