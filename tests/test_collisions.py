@@ -154,6 +154,11 @@ def test_an_insert_colliding_inside_a_node_keeps_the_caller_s_pages_there() -> N
     assert dev.num_used == tree.num_pages == 2
 
 
+def _exact(f: Finished, tokens: np.ndarray) -> bool:
+    want = synthetic_payload(torch.from_numpy(tokens.astype(np.int64)), KV_WIDTH)
+    return f.error is None and f.payload is not None and torch.equal(f.payload, want)
+
+
 def _cp_rank(group: Group, seed: int, root: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     config, reqs, waves = _workload(seed, Path(root))
@@ -167,15 +172,7 @@ def _cp_rank(group: Group, seed: int, root: str) -> dict[str, Any]:
             done |= run_all(engine, [Request(i, reqs[i]) for i in wave], check=True)
     finally:
         engine.close()
-    bad = [
-        i
-        for i, tokens in enumerate(reqs)
-        if done[i].error
-        or done[i].payload is None
-        or not torch.equal(
-            done[i].payload, synthetic_payload(torch.from_numpy(tokens.astype(np.int64)), KV_WIDTH)
-        )
-    ]
+    bad = [i for i, tokens in enumerate(reqs) if not _exact(done[i], tokens)]
     return {
         "bad": bad,
         "leaked": engine.cache.allocator.num_used - engine.cache.tree.num_pages,
