@@ -148,12 +148,13 @@ class PrefixHasher:
     A sequence is found by fingerprints of its first 1, 2, 4, 8, ... pages (the radix tree's
     prefix keys of those pages when the caller passes them, else BLAKE2b over the tokens, one
     pass; either way a candidate is confirmed by comparing tokens): the longest fingerprint of
-    a new sequence that a kept one has names the candidate. At most ``sequences`` are kept, and ``max_tokens`` of their tokens (64 MiB at the
-    default: the last one is kept whatever its length), least recently used dropped first (256: on
-    ``agentic:0:1000`` 68 % of the pages came from a chain, 41 % with 64). A sequence that
-    extends a kept one (a conversation's next turn) replaces it: the new one has every
-    fingerprint the old one had, so a session takes one place, not one a turn (on
-    ``agentic:0:3000`` pages hashed 2.47 M -> 0.85 M of 8.68 M, the new ones 0.74 M)."""
+    a new sequence that a kept one has names the candidate. At most ``sequences`` are kept, and
+    ``max_tokens`` of their tokens (64 MiB at the default: the last one is kept whatever its
+    length), least recently used dropped first (256: on ``agentic:0:1000`` 68 % of the pages came
+    from a chain, 41 % with 64). A sequence that extends a kept one (a conversation's next turn)
+    replaces it: the new one has every fingerprint the old one had, so a session takes one place,
+    not one a turn (on ``agentic:0:3000`` pages hashed 2.47 M -> 0.85 M of 8.68 M, the new ones
+    0.74 M)."""
 
     def __init__(
         self, namespace: Namespace, sequences: int = 256, max_tokens: int = 1 << 24
