@@ -155,8 +155,12 @@ class InsertResult:
 
     prefix_len: valid tokens of the sequence that were already in the tree.
     free_pages: the caller's pages the tree did not keep (duplicates of cached pages, including a
-        duplicate valid tail); the caller must free them.
-    node: the node now holding the sequence's last token (the root if nothing was kept).
+        duplicate valid tail); the caller must free them, except those still in ``pages`` (after
+        a key collision: positions where the tree holds other tokens under an equal key, which
+        the caller keeps reading until it is done).
+    node: the node now holding the sequence's last token (the root if nothing was kept); after a
+        key collision, the node ending where the tree stops holding the sequence's tokens
+        (``node.end`` short of the sequence).
     pages: the device pages that hold the sequence from now on: the tree's where it had its own
         page for a position, the caller's elsewhere (a caller still computing reads these).
     """
