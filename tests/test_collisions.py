@@ -195,3 +195,49 @@ def test_colliding_requests_under_cp2_stay_exact_and_replicated(tmp_path: Path) 
         assert ranks[0]["digest"] == ranks[1]["digest"], seed
         seen += ranks[0]["collisions"] > 0
     assert seen  # the seeds do collide
+
+
+def test_a_prefix_the_tree_holds_other_tokens_for_is_not_reloaded_again_and_again(
+    tmp_path: Path,
+) -> None:
+    """X on disk; the tree holds Y, X with page 0's tokens reversed (equal keys): requests for
+    X can never insert X's pages there, so they compute at once instead of each reading X's
+    pages from disk and throwing them away (one wasted read a request before)."""
+    X = np.arange(1, 65, dtype=np.uint32)
+    Y = X.copy()
+    Y[:16] = Y[:16][::-1].copy()
+
+    def config(start: str) -> EngineConfig:
+        return EngineConfig(
+            page_size=16,
+            pool_tokens=1280,
+            chunk_size=64,
+            max_batch_tokens=512,
+            max_batch_requests=8,
+            l2_tokens=1280,
+            l3_dir=str(tmp_path),
+            l3_gib=0.05,
+            l3_start=start,
+        )
+
+    first = Engine(SyntheticCompute(KV_WIDTH, 1000), config("clear"), model_id="none")
+    try:
+        first.run([Request(0, X)], check=True)
+    finally:
+        first.close()
+    engine = Engine(SyntheticCompute(KV_WIDTH, 1000), config("load"), model_id="none")
+    engine.cache.tree.hasher = OrderBlindHasher()
+    engine.keep_logits = {10, 11, 12}
+    try:
+        engine.run([Request(1, np.concatenate([Y, [7, 7, 7]]).astype(np.uint32))], check=True)
+        assert engine.cache.disk is not None
+        reloads = engine.cache.disk.stats.reloads
+        asks = [
+            Request(10 + i, np.concatenate([X, [900 + i, 5, 6]]).astype(np.uint32))
+            for i in range(3)
+        ]
+        done = engine.run(asks, check=True)
+        assert engine.cache.disk.stats.reloads == reloads
+        assert all(_exact(done[r.rid], r.tokens) for r in asks)
+    finally:
+        engine.close()

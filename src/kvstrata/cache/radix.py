@@ -189,6 +189,12 @@ class RadixTree(TierState):
         """The valid length ``match_prefix`` would return, without recording an access."""
         return self._descend(self.key(tokens))[1] * self.page_size
 
+    def holds_other_tokens(self, node: Node, key: TokenKey, m: int) -> bool:
+        """Whether ``node``, which ends where ``key``'s match stopped (page ``m``), has a child
+        under ``key``'s page-``m`` key: that child holds other tokens (a key collision), so
+        nothing of ``key`` from page ``m`` on can be inserted under ``node``."""
+        return node.end == m * self.page_size and self._child_key(key, m) in node.children
+
     def _descend(
         self, key: TokenKey, confirmed_len: int = 0, below: Node | None = None
     ) -> tuple[list[Node], int]:

@@ -88,8 +88,8 @@ class DiskWaits:
             return Park.COMPUTE
         hashes = cache.page_hashes(request.rid, key)
         first, last, parent = hit.valid_len // P, limit // P, hit.last_node
-        if last <= first:
-            return Park.COMPUTE
+        if last <= first or cache.tree.holds_other_tokens(parent, key, first):
+            return Park.COMPUTE  # (a key collision: a reload could not be inserted; decided alike)
         # The same pages already on their way (same parent, same first page): wait for that read.
         # A follower may look again once that read lands: it may need pages past the first's.
         ticket = self.disk.pending_reload(parent, hashes[first])
