@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstrata.cache.keys import PrefixHasher
-from kvstrata.engine import Engine, Finished
+from kvstrata.engine import Engine, EngineConfig, Finished
 from kvstrata.workloads import Request
 
 #: Steps after which :func:`run_all` calls an engine stuck: no test workload needs nearly so many.
@@ -59,3 +59,19 @@ class OrderBlindHasher(PrefixHasher):
 
     def weights(self, n: int) -> np.ndarray:
         return np.ones(n, dtype=np.uint64)
+
+
+def small_disk_config(tmp: Path, start: str) -> EngineConfig:
+    """An engine of 16-token pages with room for a few requests in L1 and L2 and a small disk
+    tier under ``tmp / "l3"``, started ``"clear"`` or ``"load"``."""
+    return EngineConfig(
+        page_size=16,
+        pool_tokens=1280,
+        chunk_size=64,
+        max_batch_tokens=512,
+        max_batch_requests=8,
+        l2_tokens=1280,
+        l3_dir=str(tmp / "l3"),
+        l3_gib=0.05,
+        l3_start=start,
+    )

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import OrderBlindHasher, run_all
+from helpers import OrderBlindHasher, run_all, small_disk_config
 
 from kvstrata.cache.allocator import PageAllocator
 from kvstrata.cache.radix import RadixTree
@@ -207,25 +207,16 @@ def test_a_prefix_the_tree_holds_other_tokens_for_is_not_reloaded_again_and_agai
     Y = X.copy()
     Y[:16] = Y[:16][::-1].copy()
 
-    def config(start: str) -> EngineConfig:
-        return EngineConfig(
-            page_size=16,
-            pool_tokens=1280,
-            chunk_size=64,
-            max_batch_tokens=512,
-            max_batch_requests=8,
-            l2_tokens=1280,
-            l3_dir=str(tmp_path),
-            l3_gib=0.05,
-            l3_start=start,
-        )
-
-    first = Engine(SyntheticCompute(KV_WIDTH, 1000), config("clear"), model_id="none")
+    first = Engine(
+        SyntheticCompute(KV_WIDTH, 1000), small_disk_config(tmp_path, "clear"), model_id="none"
+    )
     try:
         first.run([Request(0, X)], check=True)
     finally:
         first.close()
-    engine = Engine(SyntheticCompute(KV_WIDTH, 1000), config("load"), model_id="none")
+    engine = Engine(
+        SyntheticCompute(KV_WIDTH, 1000), small_disk_config(tmp_path, "load"), model_id="none"
+    )
     engine.cache.tree.hasher = OrderBlindHasher()
     engine.keep_logits = {10, 11, 12}
     try:

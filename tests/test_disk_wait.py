@@ -7,31 +7,20 @@ import time
 from pathlib import Path
 
 import numpy as np
+from helpers import small_disk_config
 
-from kvstrata.engine import Engine, EngineConfig
+from kvstrata.engine import Engine
 from kvstrata.model.compute import SyntheticCompute
 from kvstrata.residency import Tier
 from kvstrata.workloads import Request
 
 
-def _config(tmp: Path, start: str) -> EngineConfig:
-    return EngineConfig(
-        page_size=16,
-        pool_tokens=1280,
-        chunk_size=64,
-        max_batch_tokens=512,
-        max_batch_requests=8,
-        l2_tokens=1280,
-        l3_dir=str(tmp / "l3"),
-        l3_gib=0.05,
-        l3_start=start,
-    )
-
-
 def test_parked_requests_come_back_in_ticket_order_then_waiting_order(tmp_path: Path) -> None:
     prefix_a = np.arange(1, 321, dtype=np.uint32)
     prefix_b = np.arange(401, 721, dtype=np.uint32)
-    first = Engine(SyntheticCompute(8, 1000), _config(tmp_path, "clear"), model_id="none:8")
+    first = Engine(
+        SyntheticCompute(8, 1000), small_disk_config(tmp_path, "clear"), model_id="none:8"
+    )
     try:
         first.run([Request(0, prefix_a), Request(1, prefix_b)], check=True)
     finally:
@@ -42,7 +31,9 @@ def test_parked_requests_come_back_in_ticket_order_then_waiting_order(tmp_path: 
 
     # b first, then a: the reload of b's pages is issued first; each gets one follower.
     order = [ask(10, prefix_b), ask(11, prefix_a), ask(12, prefix_b), ask(13, prefix_a)]
-    second = Engine(SyntheticCompute(8, 1000), _config(tmp_path, "load"), model_id="none:8")
+    second = Engine(
+        SyntheticCompute(8, 1000), small_disk_config(tmp_path, "load"), model_id="none:8"
+    )
     admitted: list[int] = []  # request ids in the order they finished
     try:
         for r in order:
@@ -67,12 +58,16 @@ def test_a_pending_reload_blocks_the_step_instead_of_spinning(tmp_path: Path) ->
     the next step, which blocks on the read; the loop takes a handful of steps and the process
     burns far less CPU than the wall time (a spinning loop burns all of it)."""
     prefix = np.arange(1, 321, dtype=np.uint32)
-    first = Engine(SyntheticCompute(8, 1000), _config(tmp_path, "clear"), model_id="none:8")
+    first = Engine(
+        SyntheticCompute(8, 1000), small_disk_config(tmp_path, "clear"), model_id="none:8"
+    )
     try:
         first.run([Request(0, prefix)])
     finally:
         first.close()
-    second = Engine(SyntheticCompute(8, 1000), _config(tmp_path, "load"), model_id="none:8")
+    second = Engine(
+        SyntheticCompute(8, 1000), small_disk_config(tmp_path, "load"), model_id="none:8"
+    )
     try:
         assert second.cache.disk is not None
         reader = second.cache.disk.store._reader
