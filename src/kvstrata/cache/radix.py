@@ -381,8 +381,8 @@ class RadixTree(TierState):
         # What the tree holds where fresh pages land inside the covered part [c, kept): usually
         # nothing (c == kept), else another request's pages (duplicates) or host-only positions.
         tree_pages = self._covered_pages(path, tail_owner, c, kept if held is None else held)
-        if held is not None and kept > max(held, c):  # other tokens there: never the tree's pages
-            tree_pages = np.concatenate([tree_pages, np.full(kept - max(held, c), _FOREIGN)])
+        if held is not None and kept > held:  # other tokens there: never the tree's pages
+            tree_pages = np.concatenate([tree_pages, np.full(kept - held, _FOREIGN)])  # c <= held
         attaching = bool(tree_pages.size) and bool((tree_pages == _NO_PAGE).any())
         self._check_new_pages(Tier.L1, pages[c:])
 

@@ -179,7 +179,7 @@ class PrefixHasher:
         of the GIL on long inputs, and the engine thread then waited for it back each time while
         the disk tier's threads ran), else BLAKE2b of the tokens."""
         if page_keys is not None:
-            return list(page_keys[_POWERS[: num_pages.bit_length()] - 1].tolist())
+            return page_keys[_POWERS[: num_pages.bit_length()] - 1].tolist()
         data, step = (
             memoryview(words.astype("<u4", copy=False).tobytes()),
             4 * self.namespace.page_size,
